@@ -1,0 +1,22 @@
+"""tpcomm: tensor-parallel communication for LLM inference (custom all-reduce fused with residual add
++ RMSNorm, in Triton), on the GPUs of one node or, under Triton's interpreter, on CPU ranks.
+
+On a machine without CUDA, importing tpcomm sets ``TRITON_INTERPRET=1`` (unless already set) before any
+kernel is defined, so the same kernels run on the CPU.
+"""
+
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .communicator import Communicator  # noqa: E402
+from .errors import PeerTimeoutError, TpcommError  # noqa: E402
+from .reference import (add_rmsnorm_reference, all_reduce_reference,  # noqa: E402
+                        fused_add_rmsnorm_reference, reduce_in_rank_order)
+
+__all__ = ["Communicator", "PeerTimeoutError", "TpcommError", "add_rmsnorm_reference",
+           "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
+__version__ = "0.1.0"

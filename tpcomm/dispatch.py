@@ -1,0 +1,98 @@
+"""Dispatch: a pure function from the call's shape to a plan, identical on every rank.
+
+Inputs are only ``(op, world_size, nbytes, hidden, dtype)`` and settings every rank shares (the
+environment override and the grid cap agreed at set-up), never the rank or a timing, so every rank makes
+the same choice and no rank ever waits for a kernel its peer did not launch.
+
+For now the plan is one-shot for every size (chunked through the workspace) or the ``torch.distributed``
+fallback; the crossover table for two-shot and Lamport comes with those algorithms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: dtypes the kernels handle; others take the fallback (integers) or are refused.
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: Widest tile of a row held at once. 8192 float32 accumulators over 8 warps are 32 registers a thread;
+#: wider rows run in several tiles with a second pass (DESIGN.md; e.g. H = 16384 takes two).
+MAX_BLOCK_H = 8192
+
+#: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many
+#: elements (the result is elementwise, so the width never changes a bit).
+ALL_REDUCE_ROW = 4096
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """How a row of ``hidden`` elements is tiled. Depends on ``hidden`` alone (not on the rank, the
+    algorithm or the number of rows), which keeps the norm's reduction tree, and so every output bit,
+    the same for every call (batch invariance, DESIGN.md).
+
+    Attributes:
+        block_h: tile width (a power of two, >= 16).
+        num_tiles: tiles per row, ``ceil(hidden / block_h)``.
+        num_warps: 4 for tiles up to 1024 elements, else 8 (8 warps of 16-byte accesses cover a 4096
+            element bf16 tile in two instructions a thread).
+        max_programs: grid cap agreed by all ranks at set-up.
+    """
+
+    block_h: int
+    num_tiles: int
+    num_warps: int
+    max_programs: int
+
+    def grid(self, n_rows: int) -> int:
+        """Programs for ``n_rows`` rows: one per row up to the cap (at least one)."""
+        return max(1, min(n_rows, self.max_programs))
+
+
+def row_config(hidden: int, max_programs: int) -> RowConfig:
+    """The :class:`RowConfig` for rows of ``hidden`` elements."""
+    if hidden < 1:
+        raise ValueError(f"row_config: hidden must be >= 1, got {hidden}")
+    block_h = min(max(16, 1 << (hidden - 1).bit_length()), MAX_BLOCK_H)
+    num_tiles = -(-hidden // block_h)
+    num_warps = 4 if block_h <= 1024 else 8
+    return RowConfig(block_h, num_tiles, num_warps, max_programs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a call runs.
+
+    Attributes:
+        algorithm: ``"one_shot"`` or ``"fallback"`` (``torch.distributed``).
+        reason: why, for ``tpcomm check`` and error messages.
+    """
+
+    algorithm: str
+    reason: str
+
+
+def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtype,
+           forced: str = "auto", kernels_available: bool = True) -> Plan:
+    """Pick the algorithm for one call.
+
+    Args:
+        op: ``"all_reduce"`` or ``"fused_add_rmsnorm"``.
+        world_size: ranks in the group.
+        nbytes: bytes of one rank's input.
+        hidden: elements per row (the flat width for a plain all-reduce).
+        dtype: the input dtype.
+        forced: ``TPCOMM_ALGO`` (``auto``, ``one_shot``, ``fallback``).
+        kernels_available: False when the group cannot use the workspace (set-up decided it on every
+            rank together).
+    """
+    if not kernels_available:
+        return Plan("fallback", "no workspace for this group")
+    if dtype not in KERNEL_DTYPES:
+        return Plan("fallback", f"no kernel for dtype {dtype}")
+    if world_size < 2:
+        return Plan("fallback", "a group of one rank needs no communication")
+    if forced == "fallback":
+        return Plan("fallback", "TPCOMM_ALGO=fallback")
+    return Plan("one_shot", "one-shot push (the only kernel algorithm so far)")

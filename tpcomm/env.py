@@ -1,0 +1,55 @@
+"""Every ``TPCOMM_*`` environment variable tpcomm reads, in one place (listed in the README).
+
+Values are read when a :class:`~tpcomm.Communicator` is created, never at import time, so a test can
+change them between communicators.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: Algorithms a user may force with ``TPCOMM_ALGO``.
+ALGO_CHOICES = ("auto", "one_shot", "fallback")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Settings taken from the environment.
+
+    Attributes:
+        algo: ``TPCOMM_ALGO``: ``auto`` (default: the dispatch table decides), ``one_shot`` or
+            ``fallback`` (always ``torch.distributed``).
+        timeout_s: ``TPCOMM_TIMEOUT_S``: seconds a kernel waits for a peer before it gives up and the
+            communicator raises :class:`~tpcomm.errors.PeerTimeoutError` (default 30).
+        max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: the number of
+            SMs on CUDA, 4 under the CPU interpreter).
+    """
+
+    algo: str = "auto"
+    timeout_s: float = 30.0
+    max_programs: int | None = None
+
+
+def read_env() -> EnvConfig:
+    """Read and validate the ``TPCOMM_*`` variables.
+
+    Raises:
+        ValueError: a variable holds a value outside its documented range.
+    """
+    algo = os.environ.get("TPCOMM_ALGO", "auto").strip().lower()
+    if algo not in ALGO_CHOICES:
+        raise ValueError(f"TPCOMM_ALGO={algo!r}: expected one of {', '.join(ALGO_CHOICES)}")
+    timeout_s = float(os.environ.get("TPCOMM_TIMEOUT_S", "30"))
+    if not timeout_s > 0:
+        raise ValueError(f"TPCOMM_TIMEOUT_S={timeout_s}: expected a positive number of seconds")
+    mp = os.environ.get("TPCOMM_MAX_PROGRAMS")
+    max_programs = int(mp) if mp else None
+    if max_programs is not None and max_programs < 1:
+        raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer >= 1")
+    return EnvConfig(algo=algo, timeout_s=timeout_s, max_programs=max_programs)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

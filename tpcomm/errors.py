@@ -1,0 +1,31 @@
+"""Exceptions raised by tpcomm."""
+
+from __future__ import annotations
+
+
+class TpcommError(RuntimeError):
+    """Base class of tpcomm's run-time errors."""
+
+
+class PeerTimeoutError(TpcommError):
+    """A kernel waited longer than the timeout for a peer's data or flag.
+
+    Raised on the rank that waited, by the next call on its communicator (or by
+    :meth:`~tpcomm.Communicator.check`). The communicator is unusable afterwards: its epochs no longer
+    agree with the peer's, so every later call raises this error again; create a new communicator.
+
+    Attributes:
+        op: the op whose kernel timed out (e.g. ``"fused_add_rmsnorm"``).
+        rank: the rank that waited.
+        peer: the rank that never arrived.
+        epoch: the call's epoch (its sequence number on this communicator, starting at 1).
+        program: the program index that waited.
+    """
+
+    def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
+        self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
+        super().__init__(
+            f"{op}: rank {rank} waited more than {timeout_s:g} s for rank {peer} at epoch {epoch} "
+            f"(program {program}); rank {peer} skipped the call, called another op or size, or is stuck. "
+            "This communicator is unusable now; create a new one."
+        )

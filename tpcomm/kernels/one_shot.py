@@ -1,0 +1,108 @@
+"""One-shot (push) all-reduce, plain or fused with residual add + RMSNorm.
+
+Problem: ``out = rms_norm(all_reduce(x) + residual, w, eps)`` (or the plain ``all_reduce(x)``) for
+``(T, H)`` rows, bit-identical on every rank.
+
+Algorithm: program ``p`` owns rows ``p, p + G, p + 2G, ...`` (``G`` programs). It reads its rows of ``x``
+where the caller has them and stores them into slot ``rank`` of every peer's receive buffer (push: the
+faster direction over NVLink, DESIGN.md), publishes one flag per peer, waits for the same program index
+of every peer, then sums its rows in rank order (its own rows straight from ``x``) and runs the epilogue.
+Each rank sends ``(W - 1) * n`` bytes; the whole call is one launch with one flag round trip.
+
+Sync protocol (see ``sync.py``): data stores → ``debug_barrier`` → ``atomic_xchg(flag, epoch,
+release, sys)`` on each peer's signal pad; ``atomic_add(own flag, 0, acquire, sys)`` polled until it
+equals the epoch → ``debug_barrier`` → ``.cg`` loads of the received rows. Receive buffers and flags are
+doubled by epoch parity; two are enough because a peer can start call ``e + 1`` only after finishing
+call ``e``, which needed this rank's call-``e`` data, sent after this rank's call ``e - 1`` had
+completed (stream order). A program waits only for the same program index on its peers.
+
+When it wins: small messages (decode), where one flag round trip beats any multi-step algorithm; the
+crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/benchmarks.md``.
+"""
+
+import triton
+import triton.language as tl
+
+from .epilogue import reduce_norm_row
+from .sync import finish_program, peer_ptr, read_epoch, send_flag, wait_flag
+
+
+@triton.jit
+def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+                     n_rows, H, numel, row_stride, slot_stride, parity_stride, max_programs,
+                     eps, timeout, rank,
+                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+                     USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = read_epoch(state_ptr)
+    par = epoch & 1
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_H)
+
+    # 1. Push this program's rows into slot `rank` of every peer's receive buffer.
+    for row in range(pid, n_rows, num_programs):
+        row_start = row * H
+        dst_off = par * parity_stride + rank * slot_stride + row * row_stride
+        for t in tl.static_range(NUM_TILES):
+            cols = t * BLOCK_H + offs
+            mask = (cols < H) & (row_start + cols < numel)
+            v = tl.load(x_ptr + row_start + cols, mask=mask)
+            for q in tl.static_range(WORLD):
+                if q != rank:
+                    dst = peer_ptr(buf_table_ptr, q, DTYPE)
+                    tl.store(dst + dst_off + cols, v, mask=mask)
+
+    # 2. Publish: one flag per peer, slot [par][pid][rank] of the peer's signal pad.
+    tl.debug_barrier()
+    flag_off = (par * max_programs + pid) * WORLD
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            send_flag(peer_ptr(flag_table_ptr, q, tl.int32) + flag_off + rank, epoch)
+
+    # 3. Wait for the same program index of every peer (bounded).
+    own_flags = peer_ptr(flag_table_ptr, rank, tl.int32) + flag_off
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            wait_flag(own_flags + q, epoch, q, pid, timeout, err_ptr, USE_TIMER)
+    tl.debug_barrier()
+
+    # 4. Reduce in rank order and run the epilogue.
+    recv = peer_ptr(buf_table_ptr, rank, DTYPE) + par * parity_stride
+    for row in range(pid, n_rows, num_programs):
+        row_start = row * H
+        reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
+                        res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
+                        row_start, numel, H, eps, rank,
+                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA)
+
+    finish_program(state_ptr, epoch, num_programs)
+
+
+def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
+             cfg, norm: bool, gemma: bool) -> None:
+    """Launch the one-shot kernel on rows ``[0, n_rows)`` of the flat tensors.
+
+    Args:
+        x, out: ``(n_rows * H)`` elements (``out`` may also hold fewer: ``x.numel()`` bounds both).
+        residual, residual_out: ``(n_rows, H)`` or None (no residual).
+        weight: ``(H,)`` norm weight (ignored without ``norm``).
+        ws: the :class:`~tpcomm.workspace.Workspace`; ``n_rows * ws.row_stride(H)`` elements must fit
+            one slot (the caller chunks).
+        cfg: :class:`~tpcomm.dispatch.RowConfig` for ``H``; ``cfg.grid(n_rows)`` programs are launched.
+    """
+    has_res = residual is not None
+    grid = (cfg.grid(n_rows),)
+    row_stride = ws.row_stride(H, x.element_size())
+    _one_shot_kernel[grid](
+        x, residual if has_res else x, weight if weight is not None else x, out,
+        residual_out if has_res else out,
+        ws.buf_table, ws.flag_table, ws.state, ws.err,
+        n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
+        ws.parity_elems(x.element_size()), ws.max_programs,
+        eps, ws.timeout, ws.rank,
+        WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, USE_TIMER=ws.use_timer, num_warps=cfg.num_warps,
+    )

@@ -1,0 +1,151 @@
+"""Start ``world_size`` ranks on this machine and run a function on each.
+
+GPUs: one process per GPU with an NCCL group. CPU: one process per rank with a gloo group and
+``TRITON_INTERPRET=1``, so tpcomm's Triton kernels run under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+#: Variables set for every rank on GPU machines (never use NVLink multicast, DESIGN.md).
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> str:
+    """``"cuda"`` when at least two GPUs are visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+
+
+@contextmanager
+def _rank_environment(device: str):
+    """Set the variables ranks inherit at spawn, and restore the parent's afterwards."""
+    extra = dict(GPU_ENV)
+    if device == "cpu":
+        extra.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def init_rank(rank: int, world_size: int, device: str, port: int) -> None:
+    """Join the process group as ``rank`` (NCCL on ``cuda:rank``, or gloo) over TCP on localhost."""
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    else:
+        torch.set_num_threads(1)
+        backend = "gloo"
+    kwargs = {"device_id": torch.device("cuda", rank)} if device == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, **kwargs)
+
+
+def _worker(rank, world_size, device, port, fn, args, results):
+    import torch.distributed as dist
+
+    try:
+        init_rank(rank, world_size, device, port)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report every failure, including KeyboardInterrupt in a rank
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, crashed or did not finish in time; the message holds each rank's traceback."""
+
+
+def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, args: tuple = (),
+           timeout_s: float = 600.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes, one per rank.
+
+    Each process joins a fresh process group first (NCCL on GPU ``rank``, or gloo on the CPU with the
+    Triton interpreter). ``fn`` must be importable by name (defined at module level) and return a
+    picklable value.
+
+    Args:
+        fn: the rank's work.
+        world_size: number of ranks (>= 1; at most the number of GPUs for ``cuda``).
+        device: ``"cuda"``, ``"cpu"`` or None (:func:`default_device`).
+        args: extra positional arguments for ``fn``.
+        timeout_s: seconds to wait for all ranks before killing them.
+    Returns:
+        ``fn``'s return values, in rank order.
+    Raises:
+        ValueError: ``world_size`` or ``device`` is invalid.
+        RankFailure: a rank raised or crashed, or the ranks ran past ``timeout_s``.
+    """
+    device = device or default_device()
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"launch: device must be 'cuda' or 'cpu', got {device!r}")
+    if world_size < 1:
+        raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
+    if device == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(f"launch: world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    with _rank_environment(device):
+        procs = [ctx.Process(target=_worker, args=(r, world_size, device, port, fn, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+    out: dict[int, tuple[bool, Any]] = {}
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+                out[rank] = (ok, value)
+                if not ok:  # give the others a moment to report, then stop
+                    deadline = min(deadline, time.monotonic() + 30)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(out.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in out]
+    if failures or missing:
+        msg = "\n".join(failures)
+        if missing:
+            msg += f"\nranks {missing} did not finish (crashed or ran past {timeout_s:g} s)"
+        raise RankFailure(msg)
+    return [out[r][1] for r in range(world_size)]

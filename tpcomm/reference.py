@@ -1,0 +1,86 @@
+"""The unfused torch path: the fallback of every op and the oracle of the tests.
+
+It follows the numerics contract of DESIGN.md exactly, so the fallback returns the same bits as the
+kernels (``out`` within one unit in the last place, from the order of the mean's sum):
+
+    s = T(acc), acc = +0.0 + f32(x_0) + f32(x_1) + ... + f32(x_{W-1})   (rank order)
+    residual_out = T(f32(s) + f32(residual))
+    out = T(f32(residual_out) * (1 / sqrt(mean(f32(residual_out)^2) + eps)) * w'),  w' = f32(w) or 1 + f32(w)
+
+``torch.distributed.all_reduce`` alone cannot meet the first line: NCCL's summation order and precision
+are unspecified (bf16 rings accumulate in bf16). So the collective fallback gathers every rank's input
+(``all_gather_into_tensor``) and sums in float32 in rank order on each rank. Integer dtypes, whose sums
+are exact in any order, use ``torch.distributed.all_reduce`` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_in_rank_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``T(+0.0 + f32(xs[0]) + ... + f32(xs[-1]))``: the contract's sum of the ranks' inputs.
+
+    Args:
+        xs: one tensor per rank, in rank order, equal shapes and dtype ``T`` (float).
+    Returns:
+        A new tensor of that shape and dtype.
+    """
+    acc = torch.zeros(xs[0].shape, dtype=torch.float32, device=xs[0].device)
+    for x in xs:
+        acc = acc + x.to(torch.float32)
+    return acc.to(xs[0].dtype)
+
+
+def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                          eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Residual add + RMSNorm of an already reduced ``s`` (contract steps 2 and 3).
+
+    Args:
+        s: ``(T, H)`` reduced input, dtype bf16/fp16/fp32.
+        residual: ``(T, H)``, dtype of ``s``, or None (then ``s`` itself is normalised).
+        weight: ``(H,)`` any float dtype; ``1 + w`` when ``gemma``.
+        eps: added to the mean square.
+    Returns:
+        ``(out, residual_out)``; ``residual_out`` is None without a residual.
+    """
+    if residual is not None:
+        residual_out = (s.to(torch.float32) + residual.to(torch.float32)).to(s.dtype)
+        v = residual_out.to(torch.float32)
+    else:
+        residual_out = None
+        v = s.to(torch.float32)
+    w = weight.to(torch.float32)
+    if gemma:
+        w = 1.0 + w
+    inv = 1.0 / torch.sqrt((v * v).mean(dim=-1, keepdim=True) + eps)
+    out = (v * inv * w).to(s.dtype)
+    return out, residual_out
+
+
+def all_reduce_reference(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Contract-exact all-reduce through ``torch.distributed`` (the fallback).
+
+    Collective: every rank of ``group`` calls it with the same shape and dtype. Float inputs are
+    gathered and summed in rank order in float32; integer inputs go through ``dist.all_reduce``.
+    Returns a new tensor shaped like ``x``.
+    """
+    if not x.is_floating_point():
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+    world = dist.get_world_size(group)
+    flat = x.contiguous().reshape(-1)
+    gathered = torch.empty((world, flat.numel()), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    return reduce_in_rank_order(list(gathered.unbind(0))).reshape(x.shape)
+
+
+def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                eps: float, gemma: bool = False, group=None):
+    """``add_rmsnorm_reference(all_reduce_reference(x), residual, weight, eps, gemma)``: the unfused
+    path. Collective. Returns ``(out, residual_out)``."""
+    return add_rmsnorm_reference(all_reduce_reference(x, group), residual, weight, eps, gemma)

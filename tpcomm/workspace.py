@@ -1,0 +1,160 @@
+"""Symmetric workspace: one layout, two backends.
+
+Every rank holds one buffer of the same size, mapped by every other rank of the group:
+
+    [ signal pad: int32 flags [2 parities][max_programs][world_size], padded to 256 bytes ]
+    [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
+
+Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it. Two int64 tables on the
+kernel's device give every rank's signal-pad address (``flag_table``) and receive-buffer address
+(``buf_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, finish
+counter]`` (int32, device memory, advanced by the kernels) and four int32 error words, which on CUDA
+live in pinned host memory so the host reads them without a device synchronisation.
+
+Backends:
+  * CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous`` over the group).
+  * CPU (Triton interpreter): a file in ``/dev/shm`` per rank, mapped by every rank; the names go round
+    over the (gloo) group and each file is unlinked as soon as every rank has mapped it, so nothing is
+    left behind after a normal exit or a crash of any rank after set-up.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+#: Polls a second of the interpreter's spin loop, to turn the timeout into a poll count on the CPU
+#: (measured on a 2-core CPU machine, see docs/benchmarks.md; an estimate, not a contract).
+INTERPRETER_POLLS_PER_S = 20_000
+
+_ALIGN = 256
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class Workspace:
+    """The shared buffers and peer tables of one communicator.
+
+    Collective: every rank of ``group`` must construct it with the same arguments.
+
+    Args:
+        group: the process group (NCCL for CUDA, gloo for CPU).
+        device: ``torch.device`` of the kernels (``cuda:i`` or ``cpu``).
+        slot_bytes: bytes of one slot, i.e. the largest message one launch can carry (rounded up to 256).
+        max_programs: grid cap; the signal pad has one flag per program, peer and parity.
+        timeout_s: how long a kernel waits for a peer.
+
+    Raises:
+        RuntimeError: the backend could not allocate or map the buffers (the caller falls back).
+    """
+
+    def __init__(self, group, device: torch.device, slot_bytes: int, max_programs: int, timeout_s: float):
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.max_programs = max_programs
+        self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
+        self.flag_bytes = _round_up(2 * max_programs * self.world_size * 4, _ALIGN)
+        self.total_bytes = self.flag_bytes + 2 * self.world_size * self.slot_bytes
+        self.use_timer = device.type == "cuda"
+        self.timeout_s = timeout_s
+        self.timeout = int(timeout_s * 1e9) if self.use_timer else int(timeout_s * INTERPRETER_POLLS_PER_S)
+        self._shm_paths: list[str] = []
+        self._handle = None
+        if device.type == "cuda":
+            bases = self._alloc_cuda()
+        else:
+            bases = self._alloc_cpu()
+        self.flag_table = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.buf_table = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
+        self.state = torch.tensor([1, 0], dtype=torch.int32, device=device)
+        self.err = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.closed = False
+
+    # -- backends -----------------------------------------------------------------------------------
+    def _alloc_cuda(self) -> list[int]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        self.buffer[: self.flag_bytes].zero_()
+        self._handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        return [int(p) for p in self._handle.buffer_ptrs]
+
+    def _alloc_cpu(self) -> list[int]:
+        tag = uuid.uuid4().hex[:12]
+        path = f"/dev/shm/tpcomm-{os.getpid()}-{tag}-r{self.rank}"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, self.total_bytes)
+            finally:
+                os.close(fd)
+            self._shm_paths = [path]
+            self.buffer = torch.from_file(path, shared=True, size=self.total_bytes, dtype=torch.uint8)
+            paths: list = [None] * self.world_size
+            dist.all_gather_object(paths, path, group=self.group)
+            self.peer_buffers = [
+                self.buffer if q == self.rank
+                else torch.from_file(p, shared=True, size=self.total_bytes, dtype=torch.uint8)
+                for q, p in enumerate(paths)
+            ]
+            dist.barrier(group=self.group)
+        finally:
+            self._unlink()
+        return [int(b.data_ptr()) for b in self.peer_buffers]
+
+    def _unlink(self) -> None:
+        for p in self._shm_paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self._shm_paths = []
+
+    # -- layout -------------------------------------------------------------------------------------
+    @staticmethod
+    def row_stride(hidden: int, element_size: int) -> int:
+        """Elements between rows in a slot: ``hidden`` rounded up to 16 elements, so every row starts
+        16-byte aligned and Triton can prove it (it specialises integers divisible by 16)."""
+        return _round_up(hidden, 16)
+
+    def slot_elems(self, element_size: int) -> int:
+        """Elements of one slot for this element size."""
+        return self.slot_bytes // element_size
+
+    def parity_elems(self, element_size: int) -> int:
+        """Elements between the two parities' receive buffers."""
+        return self.world_size * self.slot_elems(element_size)
+
+    def rows_per_launch(self, hidden: int, element_size: int) -> int:
+        """Rows of ``hidden`` elements one launch can carry (0 if not even one fits)."""
+        return self.slot_elems(element_size) // self.row_stride(hidden, element_size)
+
+    # -- errors and life cycle ----------------------------------------------------------------------
+    def read_error(self) -> tuple[int, int, int, int]:
+        """``(code, peer, epoch, program)`` recorded by a kernel; code 0 means none. On CUDA the words
+        are in pinned host memory: this reads what has landed so far without synchronising."""
+        code, peer, epoch, program = (int(v) for v in self.err.tolist())
+        return code, peer, epoch, program
+
+    def epoch(self) -> int:
+        """The epoch the next launch will use (synchronises the device on CUDA)."""
+        return int(self.state[0].item())
+
+    def close(self) -> None:
+        """Free the buffers. Idempotent. Not collective, but peers must have finished their calls."""
+        if self.closed:
+            return
+        self.closed = True
+        self._unlink()
+        self.peer_buffers = []
+        self.buffer = None
+        self._handle = None
