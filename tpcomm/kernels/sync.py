@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 #: Error code written when a wait expires.
-ERR_TIMEOUT = 1
+ERR_TIMEOUT = tl.constexpr(1)
 
 
 @triton.jit
