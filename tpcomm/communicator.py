@@ -95,7 +95,8 @@ class Communicator:
         max_programs = min(p for _, p in infos)
         error = None
         try:
-            ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s)
+            ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s,
+                           lamport_slot_bytes=min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES))
         except Exception as e:  # any rank's failure sends every rank to the fallback
             ws, error = None, f"workspace set-up failed on rank {self.rank}: {e}"
         errors: list = [None] * self.world_size
@@ -157,7 +158,8 @@ class Communicator:
         src = x.contiguous().view(-1)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
         width = min(n, dispatch.ALL_REDUCE_ROW)
-        self._run_rows(op, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False, gemma=False)
+        self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
+                       gemma=False)
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out
@@ -226,7 +228,7 @@ class Communicator:
             if residual_out is not None:
                 residual_out.copy_(ro)
             return out, residual_out
-        self._run_rows(op, x.contiguous().view(-1), out.view(-1),
+        self._run_rows(op, plan, x.contiguous().view(-1), out.view(-1),
                        residual.contiguous().view(-1) if residual is not None else None,
                        residual_out.view(-1) if residual_out is not None else None,
                        weight.contiguous(), T, H, eps, norm=True, gemma=gemma)
@@ -241,18 +243,22 @@ class Communicator:
             return dispatch.Plan("fallback", f"a row of {hidden} elements exceeds max_bytes")
         return plan
 
-    def _run_rows(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma):
+    def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma):
+        from .kernels.lamport import lamport
         from .kernels.one_shot import one_shot
 
         ws = self.workspace
         self.check(op)
         cfg = dispatch.row_config(H, ws.max_programs)
-        per_launch = ws.rows_per_launch(H, x.element_size())
+        if plan.algorithm == "lamport" and ws.lamport_rows_per_launch(H, x.element_size()) >= 1:
+            launch_rows, per_launch = lamport, ws.lamport_rows_per_launch(H, x.element_size())
+        else:
+            launch_rows, per_launch = one_shot, ws.rows_per_launch(H, x.element_size())
         numel = x.numel()
         for r0 in range(0, n_rows, per_launch):
             r1 = min(n_rows, r0 + per_launch)
             a, b = r0 * H, min(numel, r1 * H)
-            one_shot(x[a:b], out[a:b],
+            launch_rows(x[a:b], out[a:b],
                      residual[a:b] if residual is not None else None,
                      residual_out[a:b] if residual_out is not None else None,
                      weight, ws, r1 - r0, H, eps, cfg, norm, gemma)

@@ -4,8 +4,8 @@ Inputs are only ``(op, world_size, nbytes, hidden, dtype)`` and settings every r
 environment override and the grid cap agreed at set-up), never the rank or a timing, so every rank makes
 the same choice and no rank ever waits for a kernel its peer did not launch.
 
-For now the plan is one-shot for every size (chunked through the workspace) or the ``torch.distributed``
-fallback; the crossover table for two-shot and Lamport comes with those algorithms.
+Algorithms: ``lamport`` (16-bit inputs up to ``LAMPORT_MAX_BYTES``), ``one_shot`` (everything else,
+chunked through the workspace) and ``fallback`` (``torch.distributed``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ import torch
 
 #: dtypes the kernels handle; others take the fallback (integers) or are refused.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: Largest message (bytes per rank) sent with the Lamport kernel, and the size of its buffers.
+#: Source: 2 H200s, hidden 6144 bf16, CUDA graph (docs/benchmarks.md, "Lamport against one-shot").
+LAMPORT_MAX_BYTES = 4 << 20
+
+#: Algorithms ``TPCOMM_ALGO`` may force.
+ALGORITHMS = ("lamport", "one_shot")
 
 #: Widest tile of a row held at once. 8192 float32 accumulators over 8 warps are 32 registers a thread;
 #: wider rows run in several tiles with a second pass (DESIGN.md; e.g. H = 16384 takes two).
@@ -65,7 +72,7 @@ class Plan:
     """What a call runs.
 
     Attributes:
-        algorithm: ``"one_shot"`` or ``"fallback"`` (``torch.distributed``).
+        algorithm: ``"lamport"``, ``"one_shot"`` or ``"fallback"`` (``torch.distributed``).
         reason: why, for ``tpcomm check`` and error messages.
     """
 
@@ -83,7 +90,8 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         nbytes: bytes of one rank's input.
         hidden: elements per row (the flat width for a plain all-reduce).
         dtype: the input dtype.
-        forced: ``TPCOMM_ALGO`` (``auto``, ``one_shot``, ``fallback``).
+        forced: ``TPCOMM_ALGO`` (``auto``, ``lamport``, ``one_shot``, ``fallback``). A forced
+            ``lamport`` on a 32-bit input runs ``one_shot`` (the only kernel for it).
         kernels_available: False when the group cannot use the workspace (set-up decided it on every
             rank together).
     """
@@ -95,4 +103,11 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         return Plan("fallback", "a group of one rank needs no communication")
     if forced == "fallback":
         return Plan("fallback", "TPCOMM_ALGO=fallback")
-    return Plan("one_shot", "one-shot push (the only kernel algorithm so far)")
+    lamport_ok = dtype in (torch.bfloat16, torch.float16)
+    if forced == "one_shot":
+        return Plan("one_shot", "TPCOMM_ALGO=one_shot")
+    if forced == "lamport" and lamport_ok:
+        return Plan("lamport", "TPCOMM_ALGO=lamport")
+    if lamport_ok and nbytes <= LAMPORT_MAX_BYTES:
+        return Plan("lamport", f"16-bit message of at most {LAMPORT_MAX_BYTES} bytes")
+    return Plan("one_shot", "one-shot push")

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 #: Algorithms a user may force with ``TPCOMM_ALGO``.
-ALGO_CHOICES = ("auto", "one_shot", "fallback")
+ALGO_CHOICES = ("auto", "lamport", "one_shot", "fallback")
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class EnvConfig:
     """Settings taken from the environment.
 
     Attributes:
-        algo: ``TPCOMM_ALGO``: ``auto`` (default: the dispatch table decides), ``one_shot`` or
-            ``fallback`` (always ``torch.distributed``).
+        algo: ``TPCOMM_ALGO``: ``auto`` (default: the dispatch table decides), ``lamport``,
+            ``one_shot`` or ``fallback`` (always ``torch.distributed``).
         timeout_s: ``TPCOMM_TIMEOUT_S``: seconds a kernel waits for a peer before it gives up and the
             communicator raises :class:`~tpcomm.errors.PeerTimeoutError` (default 30).
         max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: the number of

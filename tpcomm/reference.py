@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 on the GPU machine has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_in_rank_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """``T(+0.0 + f32(xs[0]) + ... + f32(xs[-1]))``: the contract's sum of the ranks' inputs.
 
@@ -74,9 +78,9 @@ def all_reduce_reference(x: torch.Tensor, group=None) -> torch.Tensor:
         return y
     world = dist.get_world_size(group)
     flat = x.contiguous().reshape(-1)
-    gathered = torch.empty((world, flat.numel()), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, flat, group=group)
-    return reduce_in_rank_order(list(gathered.unbind(0))).reshape(x.shape)
+    gathered = torch.empty(world * flat.numel(), dtype=x.dtype, device=x.device)
+    _all_gather_flat(gathered, flat, group=group)
+    return reduce_in_rank_order(list(gathered.view(world, -1).unbind(0))).reshape(x.shape)
 
 
 def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

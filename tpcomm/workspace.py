@@ -4,10 +4,11 @@ Every rank holds one buffer of the same size, mapped by every other rank of the 
 
     [ signal pad: int32 flags [2 parities][max_programs][world_size], padded to 256 bytes ]
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
+    [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
 
 Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it. Two int64 tables on the
-kernel's device give every rank's signal-pad address (``flag_table``) and receive-buffer address
-(``buf_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, finish
+kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
+(``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, finish
 counter]`` (int32, device memory, advanced by the kernels) and four int32 error words, which on CUDA
 live in pinned host memory so the host reads them without a device synchronisation.
 
@@ -46,6 +47,7 @@ class Workspace:
         group: the process group (NCCL for CUDA, gloo for CPU).
         device: ``torch.device`` of the kernels (``cuda:i`` or ``cpu``).
         slot_bytes: bytes of one slot, i.e. the largest message one launch can carry (rounded up to 256).
+        lamport_slot_bytes: bytes of one Lamport slot (the largest Lamport launch).
         max_programs: grid cap; the signal pad has one flag per program, peer and parity.
         timeout_s: how long a kernel waits for a peer.
 
@@ -53,7 +55,8 @@ class Workspace:
         RuntimeError: the backend could not allocate or map the buffers (the caller falls back).
     """
 
-    def __init__(self, group, device: torch.device, slot_bytes: int, max_programs: int, timeout_s: float):
+    def __init__(self, group, device: torch.device, slot_bytes: int, max_programs: int, timeout_s: float,
+                 lamport_slot_bytes: int = 0):
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
@@ -61,7 +64,9 @@ class Workspace:
         self.max_programs = max_programs
         self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
         self.flag_bytes = _round_up(2 * max_programs * self.world_size * 4, _ALIGN)
-        self.total_bytes = self.flag_bytes + 2 * self.world_size * self.slot_bytes
+        self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
+        self.data_bytes = 2 * self.world_size * self.slot_bytes
+        self.total_bytes = self.flag_bytes + self.data_bytes + 2 * self.world_size * self.lamport_slot_bytes
         self.use_timer = device.type == "cuda"
         self.timeout_s = timeout_s
         self.timeout = int(timeout_s * 1e9) if self.use_timer else int(timeout_s * INTERPRETER_POLLS_PER_S)
@@ -73,6 +78,8 @@ class Workspace:
             bases = self._alloc_cpu()
         self.flag_table = torch.tensor(bases, dtype=torch.int64, device=device)
         self.buf_table = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
+        self.lamport_table = torch.tensor([b + self.flag_bytes + self.data_bytes for b in bases],
+                                          dtype=torch.int64, device=device)
         self.state = torch.tensor([1, 0], dtype=torch.int32, device=device)
         self.err = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.closed = False
@@ -82,7 +89,7 @@ class Workspace:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
-        self.buffer[: self.flag_bytes].zero_()
+        self._arm(self.buffer)
         self._handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -99,6 +106,7 @@ class Workspace:
                 os.close(fd)
             self._shm_paths = [path]
             self.buffer = torch.from_file(path, shared=True, size=self.total_bytes, dtype=torch.uint8)
+            self._arm(self.buffer)
             paths: list = [None] * self.world_size
             dist.all_gather_object(paths, path, group=self.group)
             self.peer_buffers = [
@@ -110,6 +118,13 @@ class Workspace:
         finally:
             self._unlink()
         return [int(b.data_ptr()) for b in self.peer_buffers]
+
+    def _arm(self, buffer: torch.Tensor) -> None:
+        """Zero the signal pad and fill the Lamport buffers with the sentinel (before any peer maps it)."""
+        buffer[: self.flag_bytes].zero_()
+        lam = buffer[self.flag_bytes + self.data_bytes:]
+        if lam.numel():
+            lam.view(torch.int16).fill_(-32768)
 
     def _unlink(self) -> None:
         for p in self._shm_paths:
@@ -137,6 +152,10 @@ class Workspace:
     def rows_per_launch(self, hidden: int, element_size: int) -> int:
         """Rows of ``hidden`` elements one launch can carry (0 if not even one fits)."""
         return self.slot_elems(element_size) // self.row_stride(hidden, element_size)
+
+    def lamport_rows_per_launch(self, hidden: int, element_size: int) -> int:
+        """Rows of ``hidden`` 16-bit elements one Lamport launch can carry."""
+        return (self.lamport_slot_bytes // element_size) // self.row_stride(hidden, element_size)
 
     # -- errors and life cycle ----------------------------------------------------------------------
     def read_error(self) -> tuple[int, int, int, int]:

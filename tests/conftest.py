@@ -1,0 +1,43 @@
+"""Fixtures: persistent CPU rank pools (one per world size, shared by the whole session).
+
+``pool`` is parametrised over the world sizes the CPU suite covers; ``pool2`` / ``pool3`` pin one.
+A pool killed by a failing or hung test is restarted for the next test that asks for it.
+"""
+
+import os
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, _HERE):  # tpcomm from this checkout; harness/rank_cases by name (spawned ranks too)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import harness  # noqa: E402
+
+#: World sizes of the CPU suite: 2 (the common TP pair) and 3 (odd: no power-of-two shortcuts).
+WORLD_SIZES = (2, 3)
+
+
+@pytest.fixture(scope="session")
+def pools():
+    manager = harness.PoolManager()
+    yield manager
+    manager.close()
+
+
+@pytest.fixture(params=WORLD_SIZES, ids=[f"w{w}" for w in WORLD_SIZES])
+def pool(request, pools):
+    return pools.get(request.param)
+
+
+@pytest.fixture
+def pool2(pools):
+    return pools.get(2)
+
+
+@pytest.fixture
+def pool3(pools):
+    return pools.get(3)

@@ -1,0 +1,485 @@
+"""Rank bodies: module-level functions the harness runs on every rank (they pickle by name).
+
+Pool bodies take ``(ctx, *args)`` (``ctx``: :class:`harness.RankContext`); launch bodies (for
+``tpcomm.launch.launch``) take ``(rank, world_size, *args)``. Each body rebuilds every rank's input from
+the case's seed, runs the op, computes the expected result locally with the plain-torch reference, and
+returns tensors; the assertions live in the test files, which see every rank's answer at once.
+
+Bodies catch only the exceptions a test expects (and return what they saw); anything else propagates
+and fails the test with the rank's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+import tpcomm
+from numerics import all_inputs, residual_input, weight_input
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in a given memory layout: ``contiguous``, ``strided`` (every other column of a
+    wider tensor, like ``x[:, ::2]``) or ``transposed`` (a ``.t()`` view of the transposed copy)."""
+    if layout == "contiguous":
+        return t.clone()
+    if layout == "strided":
+        wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype)
+        wide[..., ::2] = t
+        v = wide[..., ::2]
+        assert not v.is_contiguous()
+        return v
+    if layout == "transposed":
+        v = t.t().contiguous().t()
+        assert not v.is_contiguous() or min(t.shape) == 1
+        return v
+    raise ValueError(layout)
+
+
+def _exact_int_sum(xs) -> torch.Tensor:
+    """Sum of small-integer float tensors computed in int64 (no floating-point rounding at all)."""
+    acc = torch.zeros(xs[0].shape, dtype=torch.int64)
+    for x in xs:
+        acc += x.to(torch.int64)
+    return acc
+
+
+def _error(fn) -> tuple[str, str] | None:
+    """``(type name, message)`` of what ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as e:  # the test decides which types are right
+        return type(e).__name__, str(e)
+    return None
+
+
+# -- all_reduce -----------------------------------------------------------------------------------------
+def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layout="contiguous",
+                    max_bytes=None):
+    """One ``all_reduce``. ``out_mode``: ``new`` (no out), ``nan`` (out pre-filled with NaN),
+    ``inplace`` (out=x), ``strided`` (a NaN-filled non-contiguous out whose gaps must stay NaN)."""
+    comm = ctx.comm(max_bytes)
+    xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
+    x = _layout(xs[ctx.rank], layout)
+    gaps = None
+    if out_mode == "new":
+        y = comm.all_reduce(x)
+    elif out_mode == "nan":
+        out = torch.full(shape, float("nan"), dtype=dtype)
+        y = comm.all_reduce(x, out=out)
+        assert y is out, "all_reduce must return the out tensor it was given"
+    elif out_mode == "inplace":
+        y = comm.all_reduce(x, out=x)
+        assert y is x, "all_reduce(x, out=x) must return x"
+    elif out_mode == "strided":
+        backing = torch.full((*shape[:-1], 2 * shape[-1]), float("nan"), dtype=dtype)
+        out = backing[..., 1::2]
+        y = comm.all_reduce(x, out=out)
+        assert y is out, "all_reduce must return the out tensor it was given"
+        gaps = backing[..., 0::2].clone()
+    else:
+        raise ValueError(out_mode)
+    result = {"y": y.clone(), "ref": tpcomm.reduce_in_rank_order(xs), "gaps": gaps,
+              "plan": comm.plan("all_reduce", x.numel() * x.element_size(), min(x.numel(), 4096),
+                                dtype).algorithm}
+    if kind == "int":
+        result["exact"] = _exact_int_sum(xs)
+    return result
+
+
+# -- fused_add_rmsnorm ----------------------------------------------------------------------------------
+def fused_case(ctx, seed, shape, dtype, kind="randn", residual=True, gemma=False, w_dtype=None,
+               eps=1e-6, layout="contiguous", max_bytes=None, also_all_reduce=False):
+    """One ``fused_add_rmsnorm`` (and optionally an ``all_reduce`` of the same ``x``, whose result is
+    the contract's ``s``), with the reference computed locally from every rank's seeded input."""
+    comm = ctx.comm(max_bytes)
+    H = shape[-1]
+    xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
+    res = residual_input(seed, shape, dtype, kind) if residual else None
+    w = weight_input(seed, H, w_dtype or dtype, gemma)
+    x = _layout(xs[ctx.rank], layout)
+    r_in = _layout(res, layout) if res is not None else None
+    x_before = x.clone()
+    out, ro = comm.fused_add_rmsnorm(x, r_in, w, eps=eps, gemma=gemma)
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, eps, gemma)
+    result = {"out": out, "residual_out": ro, "out_ref": out_ref, "residual_out_ref": ro_ref,
+              "x_untouched": torch.equal(x.view(torch.uint8) if x.is_contiguous() else x.contiguous()
+                                         .view(torch.uint8), x_before.view(torch.uint8)),
+              "plan": comm.plan("fused_add_rmsnorm", x.numel() * x.element_size(), H, dtype).algorithm}
+    if also_all_reduce:
+        result["s"] = comm.all_reduce(x)
+        result["s_ref"] = s_ref
+    if kind == "int":
+        s = _exact_int_sum(xs)
+        result["exact_s"] = s
+        result["exact_residual_out"] = s + res.to(torch.int64) if res is not None else None
+    return result
+
+
+def fused_rows(ctx, seed, shape, dtype, row_counts, max_bytes=None):
+    """``fused_add_rmsnorm`` and ``all_reduce`` of the first ``n`` rows for each ``n`` in
+    ``row_counts`` (batch invariance: a row's bits must not depend on how many rows share the call)."""
+    comm = ctx.comm(max_bytes)
+    H = shape[-1]
+    xs = all_inputs(seed, ctx.world_size, shape, dtype)
+    res = residual_input(seed, shape, dtype)
+    w = weight_input(seed, H, dtype)
+    x = xs[ctx.rank]
+    runs = {}
+    for n in row_counts:
+        out, ro = comm.fused_add_rmsnorm(x[:n], res[:n], w)
+        runs[n] = {"out": out, "residual_out": ro, "s": comm.all_reduce(x[:n])}
+    return runs
+
+
+def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op):
+    """The same call on a communicator that needs several launches (``small_max_bytes``) and on the
+    default one (one launch), plus how many launches the small one made (its epoch advances once per
+    launch)."""
+    small, whole = ctx.comm(small_max_bytes), ctx.comm()
+    H = shape[-1]
+    xs = all_inputs(seed, ctx.world_size, shape, dtype)
+    x = xs[ctx.rank]
+    if op == "fused_add_rmsnorm":
+        res = residual_input(seed, shape, dtype)
+        w = weight_input(seed, H, dtype)
+        call = lambda c: c.fused_add_rmsnorm(x, res, w)  # noqa: E731
+        nbytes, hidden = x.numel() * x.element_size(), H
+    else:
+        call = lambda c: (c.all_reduce(x), None)  # noqa: E731
+        nbytes, hidden = x.numel() * x.element_size(), min(x.numel(), 4096)
+    before = small.workspace.epoch()
+    chunked = call(small)
+    launches = small.workspace.epoch() - before
+    one = call(whole)
+    return {"chunked": chunked, "whole": one, "launches": launches,
+            "rows_per_launch": small.workspace.rows_per_launch(hidden, x.element_size()),
+            "plan_small": small.plan(op, nbytes, hidden, dtype).algorithm,
+            "plan_whole": whole.plan(op, nbytes, hidden, dtype).algorithm,
+            "ref": tpcomm.reduce_in_rank_order(xs)}
+
+
+# -- special values -------------------------------------------------------------------------------------
+def negative_zero_case(ctx, dtype):
+    """Every rank passes -0.0 (and a residual of -0.0): ``s`` and ``residual_out`` must be +0.0."""
+    comm = ctx.comm()
+    H = 37
+    x = torch.full((3, H), -0.0, dtype=dtype)
+    res = torch.full((3, H), -0.0, dtype=dtype)
+    w = torch.ones(H, dtype=dtype)
+    s = comm.all_reduce(x)
+    out, ro = comm.fused_add_rmsnorm(x, res, w)
+    out_nr, _ = comm.fused_add_rmsnorm(x, None, w)
+    return {"s": s, "out": out, "residual_out": ro, "out_no_residual": out_nr}
+
+
+def special_values_case(ctx, dtype):
+    """NaN and +-Inf in some ranks' inputs. Columns of the (2, 16) input, per rank r:
+    col 0: NaN on rank 0; col 1: +Inf on every rank; col 2: +Inf on rank 0, -Inf on the last rank;
+    col 3: -Inf on rank 0; everything else finite. Row 1 is all finite (a NaN must not leak across
+    rows). Returns all_reduce and fused results and their references."""
+    comm = ctx.comm()
+    W, r = ctx.world_size, ctx.rank
+    xs = []
+    for q in range(W):
+        x = torch.full((2, 16), float(q + 1), dtype=dtype)
+        if q == 0:
+            x[0, 0] = float("nan")
+            x[0, 2] = float("inf")
+            x[0, 3] = float("-inf")
+        if q == W - 1:
+            x[0, 2] = float("-inf")
+        x[0, 1] = float("inf")
+        xs.append(x)
+    res = torch.ones(2, 16, dtype=dtype)
+    w = torch.ones(16, dtype=dtype)
+    s = comm.all_reduce(xs[r])
+    out, ro = comm.fused_add_rmsnorm(xs[r], res, w)
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
+    return {"s": s, "s_ref": s_ref, "out": out, "out_ref": out_ref, "residual_out": ro,
+            "residual_out_ref": ro_ref}
+
+
+# -- repeated calls, skew ---------------------------------------------------------------------------------
+#: (op, shape) of the soak's steps, cycled: alternating ops, sizes, row counts above and below the grid
+#: cap of 4 programs, and a multi-row all_reduce, so consecutive calls use different grids and parities.
+SOAK_STEPS = [("fused", (1, 64)), ("all_reduce", (5, 33)), ("fused", (5, 64)), ("all_reduce", (1,)),
+              ("fused", (3, 123)), ("all_reduce", (4100,)), ("fused_no_res", (2, 16))]
+
+
+def soak(ctx, seed, dtype, steps, max_skew_s=0.0):
+    """``steps`` calls back to back, cycling through ``SOAK_STEPS`` with new inputs each step, each rank
+    sleeping a different random time (up to ``max_skew_s``) before every call. Returns, per step,
+    whether ``s``/``residual_out`` were bit-exact and ``out`` within 1 ulp, plus a digest for the
+    cross-rank comparison."""
+    from numerics import bits, ulp_distance
+
+    comm = ctx.comm()
+    rng = random.Random(seed * 7919 + ctx.rank)  # a different delay sequence on every rank
+    report = []
+    for i in range(steps):
+        op, shape = SOAK_STEPS[i % len(SOAK_STEPS)]
+        case = seed * 1000 + i
+        xs = all_inputs(case, ctx.world_size, shape, dtype)
+        if max_skew_s:
+            time.sleep(rng.uniform(0, max_skew_s))
+        if op == "all_reduce":
+            y = comm.all_reduce(xs[ctx.rank])
+            ok = torch.equal(bits(y), bits(tpcomm.reduce_in_rank_order(xs)))
+            report.append((i, op, shape, ok, bits(y).tolist()))
+            continue
+        res = residual_input(case, shape, dtype) if op == "fused" else None
+        w = weight_input(case, shape[-1], dtype)
+        out, ro = comm.fused_add_rmsnorm(xs[ctx.rank], res, w)
+        out_ref, ro_ref = tpcomm.add_rmsnorm_reference(tpcomm.reduce_in_rank_order(xs), res, w, 1e-6)
+        ok = int(ulp_distance(out, out_ref).max()) <= 1 and not out.isnan().any()
+        if res is not None:
+            ok = ok and torch.equal(bits(ro), bits(ro_ref))
+        report.append((i, op, shape, ok, bits(out).tolist()))
+    return report
+
+
+# -- validation -----------------------------------------------------------------------------------------
+def _bad_call(comm, case: str):
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    r = torch.randn(4, 32, dtype=torch.bfloat16)
+    w = torch.ones(32, dtype=torch.bfloat16)
+    fused, ar = comm.fused_add_rmsnorm, comm.all_reduce
+    calls = {
+        "fused_int_x": lambda: fused(x.to(torch.int32), None, w),
+        "fused_fp8_x": lambda: fused(x.to(torch.float8_e4m3fn), None, w),
+        "all_reduce_fp8_x": lambda: ar(x.to(torch.float8_e4m3fn)),
+        "all_reduce_bool_x": lambda: ar(x > 0),
+        "all_reduce_complex_x": lambda: ar(torch.zeros(4, dtype=torch.complex64)),
+        "residual_shape": lambda: fused(x, r[:, :16], torch.ones(32, dtype=torch.bfloat16)),
+        "residual_rows": lambda: fused(x, r[:3], w),
+        "residual_dtype": lambda: fused(x, r.to(torch.float16), w),
+        "weight_shape": lambda: fused(x, r, torch.ones(31, dtype=torch.bfloat16)),
+        "weight_2d": lambda: fused(x, r, torch.ones(1, 32, dtype=torch.bfloat16)),
+        "weight_int": lambda: fused(x, r, torch.ones(32, dtype=torch.int32)),
+        "eps_negative": lambda: fused(x, r, w, eps=-1e-6),
+        "eps_inf": lambda: fused(x, r, w, eps=float("inf")),
+        "eps_nan": lambda: fused(x, r, w, eps=float("nan")),
+        "out_shape": lambda: ar(x, out=torch.empty(4, 33, dtype=torch.bfloat16)),
+        "out_dtype": lambda: ar(x, out=torch.empty(4, 32, dtype=torch.float16)),
+        "x_not_tensor_fused": lambda: fused(x.tolist(), r, w),
+        "x_not_tensor_all_reduce": lambda: ar(x.tolist()),
+        "residual_not_tensor": lambda: fused(x, r.tolist(), w),
+        "weight_not_tensor": lambda: fused(x, r, [1.0] * 32),
+        "out_not_tensor": lambda: ar(x, out=x.tolist()),
+        "x_scalar": lambda: fused(torch.tensor(1.0, dtype=torch.bfloat16), None, w[:1]),
+    }
+    return calls[case]
+
+
+def bad_input_case(ctx, case):
+    """What a bad call raised (type name, message), or None; then a good call, to show the
+    communicator is still in step on every rank."""
+    comm = ctx.comm()
+    seen = _error(_bad_call(comm, case))
+    x = torch.full((2, 32), float(ctx.rank + 1), dtype=torch.bfloat16)
+    after = comm.all_reduce(x)
+    return {"error": seen, "after": after}
+
+
+def zero_tokens_case(ctx, dtype, H):
+    """Zero-token calls (every form) on every rank, then a normal call that must still be right."""
+    comm = ctx.comm()
+    x = torch.empty(0, H, dtype=dtype)
+    w = torch.ones(H, dtype=dtype)
+    epoch = comm.workspace.epoch() if comm.workspace is not None else None
+    out, ro = comm.fused_add_rmsnorm(x, torch.empty(0, H, dtype=dtype), w)
+    out_nr, ro_nr = comm.fused_add_rmsnorm(x, None, w)
+    y = comm.all_reduce(x)
+    y0 = comm.all_reduce(torch.empty(0, dtype=dtype))
+    epoch_after = comm.workspace.epoch() if comm.workspace is not None else None
+    xs = [torch.full((1, 8), float(q + 1), dtype=dtype) for q in range(ctx.world_size)]
+    after = comm.all_reduce(xs[ctx.rank])
+    return {"out": out, "residual_out": ro, "out_nr": out_nr, "ro_nr": ro_nr, "y": y, "y0": y0,
+            "epoch": epoch, "epoch_after": epoch_after, "after": after,
+            "after_ref": tpcomm.reduce_in_rank_order(xs)}
+
+
+def integer_all_reduce_case(ctx, dtype, shape):
+    """An integer all_reduce (the torch.distributed fallback): exact."""
+    comm = ctx.comm()
+    xs = [torch.arange(q, q + int(torch.tensor(shape).prod())).reshape(shape).to(dtype) * (q + 1)
+          for q in range(ctx.world_size)]
+    y = comm.all_reduce(xs[ctx.rank])
+    exact = sum(x.to(torch.int64) for x in xs)
+    return {"y": y, "exact": exact, "plan": comm.plan("all_reduce", 64, 16, dtype).algorithm}
+
+
+# -- environment, life cycle, timeouts -------------------------------------------------------------------
+def fallback_env_case(ctx, seed, shape, dtype):
+    """The same calls on a communicator created with ``TPCOMM_ALGO=fallback`` and on the kernel one."""
+    old = os.environ.get("TPCOMM_ALGO")
+    os.environ["TPCOMM_ALGO"] = "fallback"
+    try:
+        fb = tpcomm.Communicator()
+    finally:
+        if old is None:
+            os.environ.pop("TPCOMM_ALGO")
+        else:
+            os.environ["TPCOMM_ALGO"] = old
+    try:
+        kern = ctx.comm()
+        H = shape[-1]
+        xs = all_inputs(seed, ctx.world_size, shape, dtype)
+        res = residual_input(seed, shape, dtype)
+        w = weight_input(seed, H, dtype)
+        x = xs[ctx.rank]
+        nbytes = x.numel() * x.element_size()
+        return {"fb_plan": fb.plan("fused_add_rmsnorm", nbytes, H, dtype).algorithm,
+                "kern_plan": kern.plan("fused_add_rmsnorm", nbytes, H, dtype).algorithm,
+                "fb_fused": fb.fused_add_rmsnorm(x, res, w), "kern_fused": kern.fused_add_rmsnorm(x, res, w),
+                "fb_ar": fb.all_reduce(x), "kern_ar": kern.all_reduce(x)}
+    finally:
+        fb.close()
+
+
+def life_cycle_case(ctx):
+    """Create, use, close twice, then call: RuntimeError naming the op. Also as a context manager.
+    Reports the tpcomm shared-memory files of this process seen at each point."""
+    from harness import shm_files
+
+    mine = lambda: sorted(n for n in shm_files() if n.startswith(f"tpcomm-{os.getpid()}-"))  # noqa: E731
+    seen = {"before": mine()}
+    comm = tpcomm.Communicator()
+    seen["uses_kernels"] = comm.uses_kernels
+    seen["after_create"] = mine()
+    y = comm.all_reduce(torch.ones(8, dtype=torch.float32))
+    comm.close()
+    comm.close()
+    seen["after_close"] = mine()
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    seen["all_reduce_after_close"] = _error(lambda: comm.all_reduce(x))
+    seen["fused_after_close"] = _error(lambda: comm.fused_add_rmsnorm(x, x, torch.ones(8, dtype=x.dtype)))
+    with tpcomm.Communicator(max_bytes=4096) as c2:
+        y2 = c2.all_reduce(torch.ones(8, dtype=torch.float32))
+    seen["ctx_closed"] = _error(lambda: c2.all_reduce(x))
+    dist.barrier()
+    seen["after_all"] = mine()
+    seen["y"], seen["y2"] = y, y2
+    return seen
+
+
+def workspace_layout_case(ctx, H, dtype, max_bytes):
+    """Layout facts of a communicator's workspace for one shape."""
+    comm = ctx.comm(max_bytes)
+    ws = comm.workspace
+    es = torch.empty((), dtype=dtype).element_size()
+    return {"slot_bytes": ws.slot_bytes, "row_stride": ws.row_stride(H, es),
+            "rows_per_launch": ws.rows_per_launch(H, es), "max_programs": ws.max_programs,
+            "flag_table": ws.flag_table.tolist(), "buf_table": ws.buf_table.tolist(),
+            "plan": comm.plan("fused_add_rmsnorm", H * es, H, dtype).algorithm}
+
+
+def poisoned_scratch_case(ctx, seed, shape, dtype):
+    """Fill this rank's receive buffers with 0xFF bytes (NaN in every float dtype) while no call is in
+    flight, then call: the result must come from what peers pushed this time, not from the buffer."""
+    comm = ctx.comm()
+    ws = comm.workspace
+    xs = all_inputs(seed, ctx.world_size, shape, dtype)
+    res = residual_input(seed, shape, dtype)
+    w = weight_input(seed, shape[-1], dtype)
+    dist.barrier()
+    ws.buffer[ws.flag_bytes:].fill_(0xFF)
+    dist.barrier()
+    y = comm.all_reduce(xs[ctx.rank])
+    dist.barrier()
+    ws.buffer[ws.flag_bytes:].fill_(0xFF)
+    dist.barrier()
+    out, ro = comm.fused_add_rmsnorm(xs[ctx.rank], res, w)
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
+    return {"y": y, "s_ref": s_ref, "out": out, "out_ref": out_ref, "residual_out": ro,
+            "residual_out_ref": ro_ref}
+
+
+def peer_timeout_case(ctx, timeout_s, op, skipper=1):
+    """Rank ``skipper`` skips one call on a fresh communicator with a short timeout; the others call.
+    Returns, on the callers, the error seen, its ``peer`` and how long the call took."""
+    comm = tpcomm.Communicator(timeout_s=timeout_s)
+    try:
+        seen = None
+        elapsed = None
+        if ctx.rank != skipper:
+            x = torch.ones(2, 64, dtype=torch.bfloat16)
+            t0 = time.perf_counter()
+            try:
+                if op == "all_reduce":
+                    comm.all_reduce(x)
+                else:
+                    comm.fused_add_rmsnorm(x, x, torch.ones(64, dtype=x.dtype))
+            except tpcomm.PeerTimeoutError as e:
+                seen = {"type": type(e).__name__, "peer": e.peer, "rank": e.rank, "op": e.op,
+                        "epoch": e.epoch, "message": str(e)}
+            except Exception as e:  # a wrong exception type is a finding, not a harness failure
+                seen = {"type": type(e).__name__, "message": str(e)}
+            elapsed = time.perf_counter() - t0
+            again = _error(lambda: comm.all_reduce(x))  # documented: unusable afterwards
+        else:
+            again = None
+        dist.barrier()  # the skipper keeps its workspace until every caller has given up
+        return {"seen": seen, "elapsed": elapsed, "again": again,
+                "polls_timeout": comm.workspace.timeout if comm.workspace else None}
+    finally:
+        comm.close()
+
+
+# -- launch bodies: (rank, world_size, *args) ------------------------------------------------------------
+def launch_identity(rank, world_size, tag):
+    """What a launched rank sees of its set-up."""
+    return {"rank": rank, "world_size": world_size, "dist_rank": dist.get_rank(),
+            "dist_world": dist.get_world_size(), "backend": str(dist.get_backend()),
+            "interpret": os.environ.get("TRITON_INTERPRET"), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "threads": torch.get_num_threads(), "tag": tag, "pid": os.getpid()}
+
+
+def launch_all_reduce(rank, world_size):
+    """A kernel all_reduce in freshly launched ranks."""
+    with tpcomm.Communicator() as comm:
+        y = comm.all_reduce(torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16))
+        return {"y": y, "uses_kernels": comm.uses_kernels}
+
+
+def launch_raise_on(rank, world_size, bad_rank, message):
+    """Rank ``bad_rank`` raises ValueError(message); the others return their rank."""
+    if rank == bad_rank:
+        raise ValueError(message)
+    return rank
+
+
+def launch_sleep(rank, world_size, seconds):
+    time.sleep(seconds)
+    return rank
+
+
+def launch_die_after_comm(rank, world_size, pid_dir, how, dying_rank, timeout_s):
+    """Write this rank's pid to ``pid_dir``, create a Communicator, then ``dying_rank`` dies (``how``:
+    ``exit`` = ``os._exit(3)``, ``raise`` = RuntimeError) while the others call ``all_reduce`` on a
+    short timeout and write what they saw to ``rank{r}.seen`` (JSON) in ``pid_dir``."""
+    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    comm = tpcomm.Communicator(timeout_s=timeout_s)
+    dist.barrier()
+    if rank == dying_rank:
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError(f"rank {rank} fails on purpose after creating its communicator")
+    t0 = time.perf_counter()
+    err = _error(lambda: comm.all_reduce(torch.ones(4, 16, dtype=torch.bfloat16)))
+    elapsed = time.perf_counter() - t0
+    comm.close()
+    with open(os.path.join(pid_dir, f"rank{rank}.seen"), "w") as f:
+        json.dump({"error": err, "elapsed": elapsed}, f)
+    return rank

@@ -1,0 +1,215 @@
+"""The ``tpcomm`` command (``python -m tpcomm``): ``demo``, ``bench``, ``check``.
+
+This module only parses arguments; the work is in :mod:`tpcomm.demo` and :mod:`tpcomm.bench`, and
+``check`` (below) only reads what the machine offers. Ranks are started with :func:`tpcomm.launch.launch`,
+so none of the subcommands needs ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return v
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpcomm",
+        description="Tensor-parallel all-reduce fused with residual add + RMSNorm (Triton), on the GPUs "
+                    "of one node or on CPU ranks under Triton's interpreter.")
+    sub = p.add_subparsers(dest="command", metavar="{demo,bench,check}")
+    sub.required = True
+
+    d = sub.add_parser("demo", help="run every op at model shapes and a tensor-parallel MLP block, "
+                                    "checked against the reference",
+                       description="Start the ranks, run every op at model shapes and a tensor-parallel "
+                                   "MLP block, check each result against the reference; exit 1 on any "
+                                   "mismatch.")
+    d.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
+    d.add_argument("--world", type=_positive_int, default=None,
+                   help="ranks (default: every visible GPU, or 2 CPU ranks)")
+    d.add_argument("--quick", action="store_true", help="a smaller sweep")
+
+    b = sub.add_parser("bench", help="time tpcomm against NCCL and torch symmetric memory inside CUDA "
+                                     "graphs (GPU only)",
+                       description="Time calls inside CUDA graphs (GPU only): median over replays of the "
+                                   "slowest rank. Writes JSON and, with matplotlib, a PNG plot.")
+    b.add_argument("--world", type=_positive_int, default=None, help="GPUs (default: all visible)")
+    b.add_argument("--hidden", type=_positive_int, default=6144)
+    b.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    b.add_argument("--tokens", type=_int_list, default=(1, 16, 64, 256, 1024, 4096),
+                   help="comma-separated token counts (default 1,16,64,256,1024,4096)")
+    b.add_argument("--json", default=None, metavar="PATH",
+                   help="results file (default out/bench-H<hidden>-<dtype>-w<world>.json); the PNG "
+                        "goes beside it")
+    b.add_argument("--graph-calls", type=_positive_int, default=20, help="calls captured in one graph")
+    b.add_argument("--replays", type=_positive_int, default=30, help="timed replays of each graph")
+    b.add_argument("--eps", type=float, default=1e-6)
+
+    sub.add_parser("check", help="print what this machine supports and why",
+                   description="Print versions, GPUs, peer access, the interpreter, TPCOMM_* settings and "
+                               "the algorithms tpcomm would use.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tpcomm`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from . import demo
+
+        return demo.main(device=args.device, world_size=args.world, quick=args.quick)
+    if args.command == "bench":
+        from . import bench
+
+        return bench.main(world_size=args.world, hidden=args.hidden, dtype=args.dtype, tokens=args.tokens,
+                          json_path=args.json, graph_calls=args.graph_calls, replays=args.replays,
+                          eps=args.eps)
+    if args.command == "check":
+        return check()
+    raise AssertionError(args.command)  # argparse refuses other commands
+
+
+# -- check --------------------------------------------------------------------------------------------
+
+def _shm_writable() -> tuple[bool, str]:
+    path = "/dev/shm"
+    if not os.path.isdir(path):
+        return False, "/dev/shm does not exist"
+    if not os.access(path, os.W_OK):
+        return False, "/dev/shm is not writable"
+    st = os.statvfs(path)
+    return True, f"/dev/shm writable, {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free"
+
+
+def check() -> int:
+    """Print what this machine supports and why. Returns 0, or 1 when a TPCOMM_* variable is invalid."""
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    import triton
+
+    from . import dispatch, env
+    from .launch import default_device
+
+    status = 0
+    out = []
+
+    def line(k, v):
+        out.append(f"  {k:<28} {v}")
+
+    out.append("versions")
+    line("tpcomm", _version())
+    line("python", platform.python_version())
+    line("torch", torch.__version__)
+    line("triton", triton.__version__)
+
+    out.append("devices")
+    cuda = torch.cuda.is_available()
+    n = torch.cuda.device_count() if cuda else 0
+    line("CUDA available", f"yes (CUDA {torch.version.cuda})" if cuda else
+         f"no (torch built {'without CUDA' if torch.version.cuda is None else 'with CUDA, but no GPU is visible'})")
+    line("GPUs", n)
+    for i in range(n):
+        prop = torch.cuda.get_device_properties(i)
+        line(f"  cuda:{i}", f"{prop.name}, {prop.total_memory / 2**30:.0f} GiB, {prop.multi_processor_count} SMs, "
+                           f"sm_{prop.major}{prop.minor}")
+    peer_ok = True
+    if n >= 2:
+        missing = [(i, j) for i in range(n) for j in range(n)
+                   if i != j and not torch.cuda.can_device_access_peer(i, j)]
+        peer_ok = not missing
+        line("peer access", "every pair" if peer_ok else
+             "missing for " + ", ".join(f"{i}->{j}" for i, j in missing))
+    line("NCCL", "available" if dist.is_nccl_available() else "not available")
+    line("gloo", "available" if dist.is_gloo_available() else "not available")
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+        symm = "importable (the CUDA workspace and bench's symm_mem columns use it)"
+    except Exception as e:  # an old torch or a build without it
+        symm = f"not importable ({type(e).__name__}: {e})"
+    line("torch symmetric memory", symm)
+    shm_ok, shm = _shm_writable()
+    line("CPU workspace", shm)
+
+    out.append("how ranks run")
+    device = default_device()
+    if device == "cuda":
+        line("tpcomm demo", f"{n} GPU ranks with NCCL, compiled Triton kernels")
+        line("interpreter", "not used (TRITON_INTERPRET is set to 1 only for CPU ranks)")
+    else:
+        why = "no GPU" if n == 0 else f"only {n} GPU"
+        line("tpcomm demo", f"2 CPU ranks with gloo ({why}; at least 2 GPUs are needed for GPU ranks)")
+        line("interpreter", "used: CPU ranks run the Triton kernels with TRITON_INTERPRET=1")
+    line("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "(unset)") + " in this process"
+         + (" (importing tpcomm sets it without CUDA)" if not cuda else ""))
+
+    out.append("TPCOMM_* settings")
+    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS")
+    for k in names:
+        line(k, os.environ[k] if k in os.environ else "(unset)")
+    others = sorted(k for k in os.environ if k.startswith("TPCOMM_") and k not in names)
+    if others:
+        line("unknown TPCOMM_*", ", ".join(others) + " (tpcomm does not read these)")
+    try:
+        cfg = env.read_env()
+        mp = cfg.max_programs if cfg.max_programs is not None else \
+            ("SM count" if device == "cuda" else "4 (CPU interpreter)")
+        line("in effect", f"algo={cfg.algo}, timeout_s={cfg.timeout_s:g}, max_programs={mp}")
+    except ValueError as e:
+        cfg = None
+        status = 1
+        line("INVALID", str(e))
+
+    out.append("algorithms")
+    line("choices (TPCOMM_ALGO)", ", ".join(env.ALGO_CHOICES))
+    if device == "cuda":
+        kernels, why = peer_ok, ("every GPU pair has peer access" if peer_ok
+                                 else "some GPU pair lacks peer access: calls fall back to NCCL")
+    else:
+        kernels, why = shm_ok, ("shared-memory workspace for CPU ranks" if shm_ok
+                                else "no shared memory for the CPU workspace: calls fall back to gloo")
+    line("kernels usable", f"{'yes' if kernels else 'no'} ({why})")
+    if cfg is not None:
+        world = n if device == "cuda" else 2
+        hidden = 4096
+        for tokens in (1, 64, 4096):
+            for op in ("all_reduce", "fused_add_rmsnorm"):
+                nbytes = tokens * hidden * 2
+                plan = dispatch.choose(op, world, nbytes, hidden if op != "all_reduce" else
+                                       min(tokens * hidden, dispatch.ALL_REDUCE_ROW), torch.bfloat16,
+                                       forced=cfg.algo, kernels_available=kernels)
+                line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {plan.reason} "
+                                                f"(world {world}, bf16)")
+    print("\n".join(out))
+    return status
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Lamport one-shot all-reduce, plain or fused with residual add + RMSNorm: the data is its own flag.
+
+Problem: as ``one_shot.py``, for small 16-bit messages where one flag round trip (a release fence that
+waits for the NVLink stores, then a remote flag write, then a poll) is most of the time.
+
+Algorithm: receive buffers hold the sentinel bit pattern 0x8000 (-0.0 in bf16 and fp16) in every element.
+Program ``p`` pushes its rows into slot ``rank`` of every peer's buffer, storing +0.0 wherever the input
+holds -0.0 (the sum is unchanged: the contract's accumulator starts at +0.0), so no pushed element ever
+has the sentinel's bits. It then polls its own buffer until no element of the row's tile holds the
+sentinel, sums in rank order with the same ``epilogue.py`` code as every other algorithm (so the bits are
+the same), runs the epilogue and writes the sentinel back into what it read (re-arming the buffer).
+
+Sync protocol: no flags, no fences and no barrier across ranks: a peer's 2-byte element is either the
+sentinel or the value (elements are checked one by one, so a store can't tear). Polls are volatile loads
+(never cached, never hoisted), bounded by the timeout. Buffers alternate by epoch parity; two are enough,
+as for ``one_shot.py``: a peer can write into the buffer of call ``e`` again only in call ``e + 2``, after
+finishing call ``e + 1``, which needed this rank's call-``e + 1`` data, sent after this rank's call ``e``
+(and its re-arming) had completed in stream order.
+
+When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.py`` is in
+``tpcomm/dispatch.py``, the measurements in ``docs/benchmarks.md``. 32-bit inputs use ``one_shot.py``
+(the 16-bit sentinel has no 32-bit counterpart that no input can hold).
+"""
+
+import triton
+import triton.language as tl
+
+from .epilogue import reduce_norm_row
+from .sync import ERR_TIMEOUT, finish_program, peer_ptr, read_epoch
+
+#: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
+SENTINEL = tl.constexpr(-32768)
+
+
+@triton.jit
+def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, timeout, err_ptr,
+               WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Spin until no element of this tile in any peer's slot holds the sentinel (bounded)."""
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            p = recv_row_ptr + q * slot_stride + cols
+            bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
+            pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
+            if USE_TIMER:
+                start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                                  is_pure=False, pack=1)
+                waited = start - start
+            else:
+                waited = 0
+            while (pending != 0) & (waited < timeout):
+                bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
+                pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
+                if USE_TIMER:
+                    waited = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                                       dtype=tl.int64, is_pure=False, pack=1) - start
+                else:
+                    waited += 1
+            if pending != 0:
+                tl.store(err_ptr + 1, q)
+                tl.store(err_ptr + 2, epoch)
+                tl.store(err_ptr + 3, program)
+                tl.store(err_ptr, ERR_TIMEOUT)
+
+
+@triton.jit
+def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                    buf_table_ptr, state_ptr, err_ptr,
+                    n_rows, H, numel, row_stride, slot_stride, parity_stride,
+                    eps, timeout, rank,
+                    WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+                    USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = read_epoch(state_ptr)
+    par = epoch & 1
+    offs = tl.arange(0, BLOCK_H)
+
+    # 1. Push, -0.0 stored as +0.0 so no element carries the sentinel.
+    for row in range(pid, n_rows, num_programs):
+        row_start = row * H
+        dst_off = par * parity_stride + rank * slot_stride + row * row_stride
+        for t in tl.static_range(NUM_TILES):
+            cols = t * BLOCK_H + offs
+            mask = (cols < H) & (row_start + cols < numel)
+            bits = tl.load(x_ptr + row_start + cols, mask=mask).to(tl.int16, bitcast=True)
+            bits = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
+            for q in tl.static_range(WORLD):
+                if q != rank:
+                    dst = peer_ptr(buf_table_ptr, q, tl.int16)
+                    tl.store(dst + dst_off + cols, bits, mask=mask)
+
+    # 2. Per row: wait for every peer's tiles, reduce + epilogue, re-arm what was read.
+    recv = peer_ptr(buf_table_ptr, rank, x_ptr.dtype.element_ty) + par * parity_stride
+    recv_bits = peer_ptr(buf_table_ptr, rank, tl.int16) + par * parity_stride
+    for row in range(pid, n_rows, num_programs):
+        row_start = row * H
+        for t in tl.static_range(NUM_TILES):
+            cols = t * BLOCK_H + offs
+            mask = (cols < H) & (row_start + cols < numel)
+            _poll_tile(recv + row * row_stride, slot_stride, cols, mask, rank, epoch, pid, timeout,
+                       err_ptr, WORLD, USE_TIMER)
+        reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
+                        res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
+                        row_start, numel, H, eps, rank,
+                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA)
+        tl.debug_barrier()
+        for t in tl.static_range(NUM_TILES):
+            cols = t * BLOCK_H + offs
+            mask = (cols < H) & (row_start + cols < numel)
+            for q in tl.static_range(WORLD):
+                if q != rank:
+                    tl.store(recv_bits + q * slot_stride + row * row_stride + cols,
+                             tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
+
+    finish_program(state_ptr, epoch, num_programs)
+
+
+def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
+            cfg, norm: bool, gemma: bool) -> None:
+    """Launch the Lamport kernel on rows ``[0, n_rows)``; arguments as :func:`one_shot.one_shot`.
+
+    ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
+    (:meth:`~tpcomm.workspace.Workspace.lamport_rows_per_launch`).
+    """
+    has_res = residual is not None
+    grid = (cfg.grid(n_rows),)
+    _lamport_kernel[grid](
+        x, residual if has_res else x, weight if weight is not None else x, out,
+        residual_out if has_res else out,
+        ws.lamport_table, ws.state, ws.err,
+        n_rows, H, x.numel(), ws.row_stride(H, 2), ws.lamport_slot_bytes // 2,
+        ws.world_size * ws.lamport_slot_bytes // 2,
+        eps, ws.timeout, ws.rank,
+        WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, USE_TIMER=ws.use_timer, num_warps=cfg.num_warps,
+    )
