@@ -39,9 +39,10 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 #: DeepSeek-V3 (7168), Llama-3-70B (8192).
 MODEL_HIDDENS = (2880, 4096, 6144, 7168, 8192)
 GPU_TOKENS = (1, 16, 64, 256, 1024, 4096)
-#: The interpreter costs ~20-60 ms a call a rank at these sizes (DESIGN.md): 2 token counts x 5 hiddens
-#: x 4 ops keep the CPU demo within seconds.
-CPU_TOKENS = (1, 4)
+#: The interpreter costs ~20-60 ms a row a rank at these sizes (DESIGN.md): 2 token counts x 5 hiddens
+#: x 4 ops keep the CPU demo within seconds. 5 rows on the interpreter's 4 programs give one program two
+#: rows (the grid-stride loop) and an odd count.
+CPU_TOKENS = (1, 5)
 
 #: Ops of part (a): (name shown, tpcomm method, has residual, gemma).
 OPS = (
@@ -165,6 +166,21 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((key(ia) - key(ib)).abs().max().item())
 
 
+def out_ulp_tolerance(dtype: torch.dtype, hidden: int) -> int:
+    """Units in the last place ``out`` may differ from :func:`tpcomm.add_rmsnorm_reference`.
+
+    The kernel and the reference sum the row's squares in different orders (both in float32). For 16-bit
+    outputs the difference, a few float32 ulps, moves ``out`` by at most one ulp of the output dtype
+    (the contract's "within one ulp"). For float32 outputs nothing hides it: the two sums of ``hidden``
+    squares differ by up to about ``log2(hidden)`` float32 ulps (tree-shaped sums), the reciprocal square
+    root halves that, and the product adds one rounding: ``ceil(log2(hidden))`` ulps (13 at 8192) bounds
+    it with room (measured: 4 at 2880 on the CPU interpreter).
+    """
+    if dtype == torch.float32:
+        return max(1, math.ceil(math.log2(max(hidden, 2))))
+    return 1
+
+
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` hold the same bits (NaN payloads and signs of zero included)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -190,7 +206,7 @@ def all_gather_flat(t: torch.Tensor, group=None) -> torch.Tensor:
 
 def same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
     """Collective: True on every rank when every rank's ``t`` holds the same bits."""
-    bits = t.contiguous().view(_INT_VIEW.get(t.dtype, t.dtype))
+    bits = t.contiguous().reshape(-1).view(torch.uint8)  # raw bytes: gloo has no int16
     gathered = all_gather_flat(bits, group)
     return all(torch.equal(g, bits) for g in gathered)
 
@@ -291,7 +307,7 @@ def _op_case(comm, cfg: DemoConfig, case: int, name: str, method: str, has_res: 
     notes = []
     exact_out = method == "all_reduce"  # the all-reduce is exact; a norm's out may differ by 1 ulp
     err = ulp_distance(out, exp_out)
-    if (exact_out and not bit_equal(out, exp_out)) or err > 1:
+    if (exact_out and not bit_equal(out, exp_out)) or err > out_ulp_tolerance(dtype, H):
         notes.append(f"out differs from the reference by {err} ulp")
     if exp_res is not None:
         residual_exact = bit_equal(res_out, exp_res)
@@ -376,7 +392,7 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
         return h, residual
 
     h, residual = sharded(check=True)
-    if worst_ulp > 1:
+    if worst_ulp > out_ulp_tolerance(dtype, m.hidden):
         notes.append(f"a layer's out differs from the contract by {worst_ulp} ulp")
     if not residual_exact:
         notes.append("a layer's residual_out is not bit-exact")
@@ -400,7 +416,7 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
     time_us = None
     if cfg.calls and dev.type == "cuda":
         time_us = _time_eager(lambda: sharded(check=False), max(1, cfg.calls // 4), 1) / m.layers
-    name = f"tp_mlp block x{m.layers} (µs per layer)"
+    name = f"tp_mlp block ({m.layers} layers)"
     shape = f"{m.tokens}x{m.hidden}, I={I}"
     algo = _algorithm(comm, "fused_add_rmsnorm", x0)
     return Row(name, shape, m.dtype, algo, err, "rel", residual_exact, identical, time_us, not notes,
@@ -498,7 +514,7 @@ def main(device: str | None = None, world_size: int | None = None, quick: bool =
         print(f"FAIL {r.op} {r.shape}: {r.note}")
     if device == "cuda":
         print("µs/call: eager calls (Python and launch overhead included), CUDA events, slowest rank; "
-              "`tpcomm bench` times inside CUDA graphs.")
+              "per layer for tp_mlp. `tpcomm bench` times inside CUDA graphs.")
     print(f"{len(rows) - len(failed)}/{len(rows)} checks passed in {elapsed:.1f} s "
           f"({world_size} ranks, {device}).")
     return 1 if failed else 0
