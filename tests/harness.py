@@ -59,21 +59,36 @@ class RankContext:
         self.world_size = world_size
         self._comms: dict = {}
 
-    def comm(self, max_bytes: int | None = None, timeout_s: float | None = None):
-        """A cached ``tpcomm.Communicator`` on the world group. Collective the first time a given
-        ``(max_bytes, timeout_s)`` is asked for: every rank runs the same body, so they all create it
-        together."""
-        import tpcomm
-
-        key = (max_bytes, timeout_s)
+    def comm(self, max_bytes: int | None = None, timeout_s: float | None = None, algo: str | None = None):
+        """A cached ``tpcomm.Communicator`` on the world group; ``algo`` forces ``TPCOMM_ALGO`` while it
+        is created (the variable is read then). Collective the first time a given key is asked for:
+        every rank runs the same body, so they all create it together."""
+        key = (max_bytes, timeout_s, algo)
         if key not in self._comms:
-            self._comms[key] = tpcomm.Communicator(max_bytes=max_bytes, timeout_s=timeout_s)
+            self._comms[key] = new_communicator(max_bytes=max_bytes, timeout_s=timeout_s, algo=algo)
         return self._comms[key]
 
     def close_all(self) -> None:
         for c in self._comms.values():
             c.close()
         self._comms.clear()
+
+
+def new_communicator(max_bytes: int | None = None, timeout_s: float | None = None, algo: str | None = None):
+    """A new ``tpcomm.Communicator`` on the world group, created with ``TPCOMM_ALGO=algo`` when given
+    (and the variable restored afterwards). Collective."""
+    import tpcomm
+
+    saved = os.environ.get("TPCOMM_ALGO")
+    if algo is not None:
+        os.environ["TPCOMM_ALGO"] = algo
+    try:
+        return tpcomm.Communicator(max_bytes=max_bytes, timeout_s=timeout_s)
+    finally:
+        if saved is None:
+            os.environ.pop("TPCOMM_ALGO", None)
+        else:
+            os.environ["TPCOMM_ALGO"] = saved
 
 
 def _rank_main(rank: int, world_size: int, port: int, tasks, results) -> None:

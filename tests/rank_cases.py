@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
+from tpcomm import dispatch
+from harness import new_communicator
 from numerics import all_inputs, residual_input, weight_input
 
 
@@ -61,10 +63,10 @@ def _error(fn) -> tuple[str, str] | None:
 
 # -- all_reduce -----------------------------------------------------------------------------------------
 def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layout="contiguous",
-                    max_bytes=None):
+                    max_bytes=None, algo=None):
     """One ``all_reduce``. ``out_mode``: ``new`` (no out), ``nan`` (out pre-filled with NaN),
     ``inplace`` (out=x), ``strided`` (a NaN-filled non-contiguous out whose gaps must stay NaN)."""
-    comm = ctx.comm(max_bytes)
+    comm = ctx.comm(max_bytes, algo=algo)
     xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
     x = _layout(xs[ctx.rank], layout)
     gaps = None
@@ -86,7 +88,7 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
     else:
         raise ValueError(out_mode)
     result = {"y": y.clone(), "ref": tpcomm.reduce_in_rank_order(xs), "gaps": gaps,
-              "plan": comm.plan("all_reduce", x.numel() * x.element_size(), min(x.numel(), 4096),
+              "plan": comm.plan("all_reduce", x.numel() * x.element_size(), min(x.numel(), dispatch.ALL_REDUCE_ROW),
                                 dtype).algorithm}
     if kind == "int":
         result["exact"] = _exact_int_sum(xs)
@@ -95,10 +97,10 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
 
 # -- fused_add_rmsnorm ----------------------------------------------------------------------------------
 def fused_case(ctx, seed, shape, dtype, kind="randn", residual=True, gemma=False, w_dtype=None,
-               eps=1e-6, layout="contiguous", max_bytes=None, also_all_reduce=False):
+               eps=1e-6, layout="contiguous", max_bytes=None, also_all_reduce=False, algo=None):
     """One ``fused_add_rmsnorm`` (and optionally an ``all_reduce`` of the same ``x``, whose result is
     the contract's ``s``), with the reference computed locally from every rank's seeded input."""
-    comm = ctx.comm(max_bytes)
+    comm = ctx.comm(max_bytes, algo=algo)
     H = shape[-1]
     xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
     res = residual_input(seed, shape, dtype, kind) if residual else None
@@ -123,10 +125,10 @@ def fused_case(ctx, seed, shape, dtype, kind="randn", residual=True, gemma=False
     return result
 
 
-def fused_rows(ctx, seed, shape, dtype, row_counts, max_bytes=None):
+def fused_rows(ctx, seed, shape, dtype, row_counts, max_bytes=None, algo=None):
     """``fused_add_rmsnorm`` and ``all_reduce`` of the first ``n`` rows for each ``n`` in
     ``row_counts`` (batch invariance: a row's bits must not depend on how many rows share the call)."""
-    comm = ctx.comm(max_bytes)
+    comm = ctx.comm(max_bytes, algo=algo)
     H = shape[-1]
     xs = all_inputs(seed, ctx.world_size, shape, dtype)
     res = residual_input(seed, shape, dtype)
@@ -139,11 +141,11 @@ def fused_rows(ctx, seed, shape, dtype, row_counts, max_bytes=None):
     return runs
 
 
-def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op):
+def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op, algo=None):
     """The same call on a communicator that needs several launches (``small_max_bytes``) and on the
     default one (one launch), plus how many launches the small one made (its epoch advances once per
     launch)."""
-    small, whole = ctx.comm(small_max_bytes), ctx.comm()
+    small, whole = ctx.comm(small_max_bytes, algo=algo), ctx.comm(algo=algo)
     H = shape[-1]
     xs = all_inputs(seed, ctx.world_size, shape, dtype)
     x = xs[ctx.rank]
@@ -154,7 +156,7 @@ def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op):
         nbytes, hidden = x.numel() * x.element_size(), H
     else:
         call = lambda c: (c.all_reduce(x), None)  # noqa: E731
-        nbytes, hidden = x.numel() * x.element_size(), min(x.numel(), 4096)
+        nbytes, hidden = x.numel() * x.element_size(), min(x.numel(), dispatch.ALL_REDUCE_ROW)
     before = small.workspace.epoch()
     chunked = call(small)
     launches = small.workspace.epoch() - before
@@ -215,14 +217,14 @@ SOAK_STEPS = [("fused", (1, 64)), ("all_reduce", (5, 33)), ("fused", (5, 64)), (
               ("fused", (3, 123)), ("all_reduce", (4100,)), ("fused_no_res", (2, 16))]
 
 
-def soak(ctx, seed, dtype, steps, max_skew_s=0.0):
+def soak(ctx, seed, dtype, steps, max_skew_s=0.0, algo=None):
     """``steps`` calls back to back, cycling through ``SOAK_STEPS`` with new inputs each step, each rank
     sleeping a different random time (up to ``max_skew_s``) before every call. Returns, per step,
     whether ``s``/``residual_out`` were bit-exact and ``out`` within 1 ulp, plus a digest for the
     cross-rank comparison."""
     from numerics import bits, ulp_distance
 
-    comm = ctx.comm()
+    comm = ctx.comm(algo=algo)
     rng = random.Random(seed * 7919 + ctx.rank)  # a different delay sequence on every rank
     report = []
     for i in range(steps):
@@ -321,15 +323,7 @@ def integer_all_reduce_case(ctx, dtype, shape):
 # -- environment, life cycle, timeouts -------------------------------------------------------------------
 def fallback_env_case(ctx, seed, shape, dtype):
     """The same calls on a communicator created with ``TPCOMM_ALGO=fallback`` and on the kernel one."""
-    old = os.environ.get("TPCOMM_ALGO")
-    os.environ["TPCOMM_ALGO"] = "fallback"
-    try:
-        fb = tpcomm.Communicator()
-    finally:
-        if old is None:
-            os.environ.pop("TPCOMM_ALGO")
-        else:
-            os.environ["TPCOMM_ALGO"] = old
+    fb = new_communicator(algo="fallback")
     try:
         kern = ctx.comm()
         H = shape[-1]
@@ -383,10 +377,10 @@ def workspace_layout_case(ctx, H, dtype, max_bytes):
             "plan": comm.plan("fused_add_rmsnorm", H * es, H, dtype).algorithm}
 
 
-def poisoned_scratch_case(ctx, seed, shape, dtype):
+def poisoned_scratch_case(ctx, seed, shape, dtype, algo=None):
     """Fill this rank's receive buffers with 0xFF bytes (NaN in every float dtype) while no call is in
     flight, then call: the result must come from what peers pushed this time, not from the buffer."""
-    comm = ctx.comm()
+    comm = ctx.comm(algo=algo)
     ws = comm.workspace
     xs = all_inputs(seed, ctx.world_size, shape, dtype)
     res = residual_input(seed, shape, dtype)
@@ -405,21 +399,21 @@ def poisoned_scratch_case(ctx, seed, shape, dtype):
             "residual_out_ref": ro_ref}
 
 
-def peer_timeout_case(ctx, timeout_s, op, skipper=1):
+def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
     """Rank ``skipper`` skips one call on a fresh communicator with a short timeout; the others call.
     Returns, on the callers, the error seen, its ``peer`` and how long the call took."""
-    comm = tpcomm.Communicator(timeout_s=timeout_s)
+    comm = new_communicator(timeout_s=timeout_s, algo=algo)
     try:
         seen = None
         elapsed = None
         if ctx.rank != skipper:
-            x = torch.ones(2, 64, dtype=torch.bfloat16)
+            x = torch.ones(shape, dtype=dtype)
             t0 = time.perf_counter()
             try:
                 if op == "all_reduce":
                     comm.all_reduce(x)
                 else:
-                    comm.fused_add_rmsnorm(x, x, torch.ones(64, dtype=x.dtype))
+                    comm.fused_add_rmsnorm(x, x, torch.ones(shape[-1], dtype=x.dtype))
             except tpcomm.PeerTimeoutError as e:
                 seen = {"type": type(e).__name__, "peer": e.peer, "rank": e.rank, "op": e.op,
                         "epoch": e.epoch, "message": str(e)}

@@ -22,8 +22,8 @@ class EnvConfig:
             ``one_shot`` or ``fallback`` (always ``torch.distributed``).
         timeout_s: ``TPCOMM_TIMEOUT_S``: seconds a kernel waits for a peer before it gives up and the
             communicator raises :class:`~tpcomm.errors.PeerTimeoutError` (default 30).
-        max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: the number of
-            SMs on CUDA, 4 under the CPU interpreter).
+        max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: twice the
+            number of SMs on CUDA, 4 under the CPU interpreter).
     """
 
     algo: str = "auto"
