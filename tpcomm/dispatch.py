@@ -42,8 +42,11 @@ class RowConfig:
     Attributes:
         block_h: tile width (a power of two, >= 16).
         num_tiles: tiles per row, ``ceil(hidden / block_h)``.
-        num_warps: 4 for tiles up to 1024 elements, else 8 (8 warps of 16-byte accesses cover a 4096
-            element bf16 tile in two instructions a thread).
+        num_warps: 4 for tiles up to 1024 elements, 8 up to 2048, 16 from 4096. Source: 2 H200s, bf16,
+            CUDA graph, fused Lamport at hidden 4096: 6.3 / 5.8 / 7.1 / 11.9 us at 1 / 16 / 64 / 256 tokens
+            with 16 warps against 6.4 / 7.7 / 8.9 / 13.1 with 8 and 8.4 / 9.4 / 10.3 / 15.5 with 4; at
+            hidden 6144 (tile 8192) 16 and 8 warps were within run-to-run noise
+            (docs/data/dev_warps_h*_2xH200.log).
         max_programs: grid cap agreed by all ranks at set-up.
     """
 
@@ -63,7 +66,7 @@ def row_config(hidden: int, max_programs: int) -> RowConfig:
         raise ValueError(f"row_config: hidden must be >= 1, got {hidden}")
     block_h = min(max(16, 1 << (hidden - 1).bit_length()), MAX_BLOCK_H)
     num_tiles = -(-hidden // block_h)
-    num_warps = 4 if block_h <= 1024 else 8
+    num_warps = 4 if block_h <= 1024 else 8 if block_h <= 2048 else 16
     return RowConfig(block_h, num_tiles, num_warps, max_programs)
 
 
