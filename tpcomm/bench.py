@@ -37,6 +37,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -112,7 +113,9 @@ def _symm_buffers(cfg: BenchConfig, dtype: torch.dtype, device) -> tuple[list, s
         if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
             raise RuntimeError("torch.ops.symm_mem.one_shot_all_reduce is not in this torch")
         try:
-            symm_mem.enable_symm_mem_for_group(group_name)  # needed by older torch, a no-op later
+            with warnings.catch_warnings():  # needed by older torch; deprecated (a no-op) since 2.9
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group_name)
         except Exception:
             pass
         n = max(cfg.tokens) * cfg.hidden

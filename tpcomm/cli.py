@@ -174,7 +174,7 @@ def check() -> int:
     try:
         cfg = env.read_env()
         mp = cfg.max_programs if cfg.max_programs is not None else \
-            ("SM count" if device == "cuda" else "4 (CPU interpreter)")
+            ("default, from the SM count" if device == "cuda" else "4 (CPU interpreter)")
         line("in effect", f"algo={cfg.algo}, timeout_s={cfg.timeout_s:g}, max_programs={mp}")
     except ValueError as e:
         cfg = None
