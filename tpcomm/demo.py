@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 #: Hidden sizes of real models: gpt-oss (2880), Llama-3-8B (4096), Mixtral-8x22B / Qwen (6144),
 #: DeepSeek-V3 (7168), Llama-3-70B (8192).
@@ -489,6 +488,9 @@ def main(device: str | None = None, world_size: int | None = None, quick: bool =
                   "Use --device cpu.")
             return 2
         world_size = world_size or torch.cuda.device_count()
+        if world_size > torch.cuda.device_count():
+            print(f"tpcomm demo: --world {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
+            return 2
     else:
         world_size = world_size or 2
     if world_size < 2:
