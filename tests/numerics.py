@@ -127,3 +127,46 @@ def assert_ranks_identical(per_rank: list[torch.Tensor], what: str) -> None:
     differ = [r for r, t in enumerate(per_rank)
               if t.shape != ref.shape or t.dtype != ref.dtype or not torch.equal(bits(t), bits(ref))]
     assert not differ, f"{what}: ranks {differ} differ from rank 0"
+
+
+class Checks:
+    """Collects failed assertions so one test reports every failing rank and output, not the first.
+
+    ``check(assert_fn, *args)`` runs an ``assert_*`` helper and records its AssertionError;
+    ``check.that(cond, msg)`` records ``msg`` when ``cond`` is false; ``check.done()`` fails with all.
+    """
+
+    def __init__(self):
+        self.failures: list[str] = []
+
+    def __call__(self, assert_fn, *args, **kwargs) -> None:
+        try:
+            assert_fn(*args, **kwargs)
+        except AssertionError as e:
+            self.failures.append(str(e))
+
+    def that(self, cond, msg: str) -> None:
+        if not cond:
+            self.failures.append(msg)
+
+    def done(self) -> None:
+        assert not self.failures, f"{len(self.failures)} check(s) failed:\n" + "\n".join(self.failures)
+
+
+#: Algorithms the kernels offer, each with the dtypes it runs (a forced algorithm that cannot take a
+#: dtype runs another one, so those pairs would only repeat another case).
+def kernel_algorithms() -> dict[str, tuple]:
+    from tpcomm import dispatch
+
+    algos = getattr(dispatch, "ALGORITHMS", ("one_shot",))
+    sixteen = (torch.bfloat16, torch.float16)
+    return {a: (sixteen if a == "lamport" else FLOAT_DTYPES) for a in algos}
+
+
+def algo_dtype_pairs() -> list[tuple[str, torch.dtype]]:
+    """Every (forced algorithm, dtype) pair the kernels run."""
+    return [(a, d) for a, ds in kernel_algorithms().items() for d in ds]
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import tpcomm
 from tpcomm import dispatch
 from harness import new_communicator
-from numerics import all_inputs, residual_input, weight_input
+from numerics import all_inputs, bits, residual_input, weight_input
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -112,9 +112,10 @@ def fused_case(ctx, seed, shape, dtype, kind="randn", residual=True, gemma=False
     s_ref = tpcomm.reduce_in_rank_order(xs)
     out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, eps, gemma)
     result = {"out": out, "residual_out": ro, "out_ref": out_ref, "residual_out_ref": ro_ref,
-              "x_untouched": torch.equal(x.view(torch.uint8) if x.is_contiguous() else x.contiguous()
-                                         .view(torch.uint8), x_before.view(torch.uint8)),
+              "x_untouched": torch.equal(bits(x), bits(x_before)),
               "plan": comm.plan("fused_add_rmsnorm", x.numel() * x.element_size(), H, dtype).algorithm}
+    if gemma:  # the reference with Gemma's 1 + w replaced by w: a test can check they differ
+        result["out_ref_other"] = tpcomm.add_rmsnorm_reference(s_ref, res, w, eps, not gemma)[0]
     if also_all_reduce:
         result["s"] = comm.all_reduce(x)
         result["s_ref"] = s_ref
@@ -161,17 +162,21 @@ def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op, algo=None):
     chunked = call(small)
     launches = small.workspace.epoch() - before
     one = call(whole)
+    ws = small.workspace
+    plan = small.plan(op, nbytes, hidden, dtype).algorithm
+    lamport = plan == "lamport" and ws.lamport_rows_per_launch(hidden, x.element_size()) >= 1
     return {"chunked": chunked, "whole": one, "launches": launches,
-            "rows_per_launch": small.workspace.rows_per_launch(hidden, x.element_size()),
+            "rows_per_launch": (ws.lamport_rows_per_launch if lamport else ws.rows_per_launch)(
+                hidden, x.element_size()),
             "plan_small": small.plan(op, nbytes, hidden, dtype).algorithm,
             "plan_whole": whole.plan(op, nbytes, hidden, dtype).algorithm,
             "ref": tpcomm.reduce_in_rank_order(xs)}
 
 
 # -- special values -------------------------------------------------------------------------------------
-def negative_zero_case(ctx, dtype):
+def negative_zero_case(ctx, dtype, algo=None):
     """Every rank passes -0.0 (and a residual of -0.0): ``s`` and ``residual_out`` must be +0.0."""
-    comm = ctx.comm()
+    comm = ctx.comm(algo=algo)
     H = 37
     x = torch.full((3, H), -0.0, dtype=dtype)
     res = torch.full((3, H), -0.0, dtype=dtype)
@@ -182,12 +187,12 @@ def negative_zero_case(ctx, dtype):
     return {"s": s, "out": out, "residual_out": ro, "out_no_residual": out_nr}
 
 
-def special_values_case(ctx, dtype):
+def special_values_case(ctx, dtype, algo=None):
     """NaN and +-Inf in some ranks' inputs. Columns of the (2, 16) input, per rank r:
     col 0: NaN on rank 0; col 1: +Inf on every rank; col 2: +Inf on rank 0, -Inf on the last rank;
     col 3: -Inf on rank 0; everything else finite. Row 1 is all finite (a NaN must not leak across
     rows). Returns all_reduce and fused results and their references."""
-    comm = ctx.comm()
+    comm = ctx.comm(algo=algo)
     W, r = ctx.world_size, ctx.rank
     xs = []
     for q in range(W):
@@ -211,41 +216,50 @@ def special_values_case(ctx, dtype):
 
 
 # -- repeated calls, skew ---------------------------------------------------------------------------------
-#: (op, shape) of the soak's steps, cycled: alternating ops, sizes, row counts above and below the grid
-#: cap of 4 programs, and a multi-row all_reduce, so consecutive calls use different grids and parities.
-SOAK_STEPS = [("fused", (1, 64)), ("all_reduce", (5, 33)), ("fused", (5, 64)), ("all_reduce", (1,)),
-              ("fused", (3, 123)), ("all_reduce", (4100,)), ("fused_no_res", (2, 16))]
+#: (op, shape, dtype) of the soak's steps, cycled: alternating ops, sizes, dtypes (under ``auto`` 16-bit
+#: calls take Lamport and fp32 calls one-shot, so the two algorithms interleave on one epoch counter),
+#: row counts above and below the CPU grid cap of 4 programs, and a multi-row flat all_reduce.
+SOAK_STEPS = [("fused", (1, 64), torch.bfloat16), ("all_reduce", (5, 33), torch.float32),
+              ("fused", (5, 64), torch.bfloat16), ("all_reduce", (1,), torch.float16),
+              ("fused", (3, 123), torch.float32), ("all_reduce", (4100,), torch.bfloat16),
+              ("fused_no_res", (2, 16), torch.float16)]
 
 
-def soak(ctx, seed, dtype, steps, max_skew_s=0.0, algo=None):
+def soak(ctx, seed, steps, max_skew_s=0.0, algo=None):
     """``steps`` calls back to back, cycling through ``SOAK_STEPS`` with new inputs each step, each rank
     sleeping a different random time (up to ``max_skew_s``) before every call. Returns, per step,
-    whether ``s``/``residual_out`` were bit-exact and ``out`` within 1 ulp, plus a digest for the
-    cross-rank comparison."""
-    from numerics import bits, ulp_distance
+    ``(step, op, shape, dtype name, ok, digest)``: ``ok`` when ``s``/``residual_out`` were bit-exact and
+    ``out`` within 1 ulp of the reference (2 for fp32 at these widths, see numerics), ``digest`` a
+    hash of the output bits for the cross-rank comparison."""
+    import hashlib
+
+    from numerics import bits, out_ulp_tolerance, ulp_distance
 
     comm = ctx.comm(algo=algo)
     rng = random.Random(seed * 7919 + ctx.rank)  # a different delay sequence on every rank
+    digest = lambda t: hashlib.sha256(bits(t).numpy().tobytes()).hexdigest()  # noqa: E731
     report = []
     for i in range(steps):
-        op, shape = SOAK_STEPS[i % len(SOAK_STEPS)]
+        op, shape, dtype = SOAK_STEPS[i % len(SOAK_STEPS)]
         case = seed * 1000 + i
         xs = all_inputs(case, ctx.world_size, shape, dtype)
         if max_skew_s:
             time.sleep(rng.uniform(0, max_skew_s))
+        name = str(dtype).replace("torch.", "")
         if op == "all_reduce":
             y = comm.all_reduce(xs[ctx.rank])
             ok = torch.equal(bits(y), bits(tpcomm.reduce_in_rank_order(xs)))
-            report.append((i, op, shape, ok, bits(y).tolist()))
+            report.append((i, op, shape, name, ok, digest(y)))
             continue
         res = residual_input(case, shape, dtype) if op == "fused" else None
         w = weight_input(case, shape[-1], dtype)
         out, ro = comm.fused_add_rmsnorm(xs[ctx.rank], res, w)
         out_ref, ro_ref = tpcomm.add_rmsnorm_reference(tpcomm.reduce_in_rank_order(xs), res, w, 1e-6)
-        ok = int(ulp_distance(out, out_ref).max()) <= 1 and not out.isnan().any()
+        ok = (int(ulp_distance(out, out_ref).max()) <= out_ulp_tolerance(dtype, shape[-1])
+              and not out.isnan().any())
         if res is not None:
             ok = ok and torch.equal(bits(ro), bits(ro_ref))
-        report.append((i, op, shape, ok, bits(out).tolist()))
+        report.append((i, op, shape, name, ok, digest(out)))
     return report
 
 
@@ -278,6 +292,9 @@ def _bad_call(comm, case: str):
         "weight_not_tensor": lambda: fused(x, r, [1.0] * 32),
         "out_not_tensor": lambda: ar(x, out=x.tolist()),
         "x_scalar": lambda: fused(torch.tensor(1.0, dtype=torch.bfloat16), None, w[:1]),
+        "eps_none": lambda: fused(x, r, w, eps=None),
+        "x_meta_device_fused": lambda: fused(x.to("meta"), r, w),
+        "x_meta_device_all_reduce": lambda: ar(x.to("meta")),
     }
     return calls[case]
 
@@ -318,6 +335,23 @@ def integer_all_reduce_case(ctx, dtype, shape):
     y = comm.all_reduce(xs[ctx.rank])
     exact = sum(x.to(torch.int64) for x in xs)
     return {"y": y, "exact": exact, "plan": comm.plan("all_reduce", 64, 16, dtype).algorithm}
+
+
+def constructor_error_case(ctx, case):
+    """What ``Communicator(...)`` raised for a bad argument or environment (before any collective)."""
+    saved = os.environ.get("TPCOMM_ALGO")
+    if case == "algo_env":
+        os.environ["TPCOMM_ALGO"] = "warp_speed"
+    try:
+        kwargs = {"max_bytes_zero": {"max_bytes": 0}, "max_bytes_negative": {"max_bytes": -4096},
+                  "timeout_zero": {"timeout_s": 0}, "timeout_negative": {"timeout_s": -1.0},
+                  "algo_env": {}}[case]
+        return _error(lambda: tpcomm.Communicator(**kwargs))
+    finally:
+        if saved is None:
+            os.environ.pop("TPCOMM_ALGO", None)
+        else:
+            os.environ["TPCOMM_ALGO"] = saved
 
 
 # -- environment, life cycle, timeouts -------------------------------------------------------------------
@@ -425,7 +459,8 @@ def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
             again = None
         dist.barrier()  # the skipper keeps its workspace until every caller has given up
         return {"seen": seen, "elapsed": elapsed, "again": again,
-                "polls_timeout": comm.workspace.timeout if comm.workspace else None}
+                "polls_timeout": comm.workspace.timeout if comm.workspace else None,
+                "max_programs": comm.workspace.max_programs if comm.workspace else None}
     finally:
         comm.close()
 
