@@ -412,25 +412,59 @@ def workspace_layout_case(ctx, H, dtype, max_bytes):
 
 
 def poisoned_scratch_case(ctx, seed, shape, dtype, algo=None):
-    """Fill this rank's receive buffers with 0xFF bytes (NaN in every float dtype) while no call is in
-    flight, then call: the result must come from what peers pushed this time, not from the buffer."""
+    """Fill this rank's one-shot receive buffers with 0xFF bytes (NaN in every float dtype) while no call
+    is in flight, then call: the result must come from what peers pushed this time, not from the
+    buffer. (Lamport buffers hold a sentinel that the protocol relies on; they are not poisoned.)"""
     comm = ctx.comm(algo=algo)
     ws = comm.workspace
     xs = all_inputs(seed, ctx.world_size, shape, dtype)
     res = residual_input(seed, shape, dtype)
     w = weight_input(seed, shape[-1], dtype)
+    data = ws.buffer[ws.flag_bytes:ws.flag_bytes + 2 * ws.world_size * ws.slot_bytes]  # one-shot slots
     dist.barrier()
-    ws.buffer[ws.flag_bytes:].fill_(0xFF)
+    data.fill_(0xFF)
     dist.barrier()
     y = comm.all_reduce(xs[ctx.rank])
     dist.barrier()
-    ws.buffer[ws.flag_bytes:].fill_(0xFF)
+    data.fill_(0xFF)
     dist.barrier()
     out, ro = comm.fused_add_rmsnorm(xs[ctx.rank], res, w)
     s_ref = tpcomm.reduce_in_rank_order(xs)
     out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
     return {"y": y, "s_ref": s_ref, "out": out, "out_ref": out_ref, "residual_out": ro,
             "residual_out_ref": ro_ref}
+
+
+def epoch_case(ctx, calls, algo=None):
+    """The workspace epoch before and after each call of ``calls`` (``(op, shape, max_bytes)``): one
+    launch of any grid size advances it by exactly one; a zero-element call leaves it."""
+    steps = []
+    for i, (op, shape, max_bytes) in enumerate(calls):
+        comm = ctx.comm(max_bytes, algo=algo)
+        xs = all_inputs(1500 + i, ctx.world_size, shape, torch.bfloat16)
+        before = comm.workspace.epoch()
+        if op == "all_reduce":
+            comm.all_reduce(xs[ctx.rank])
+        else:
+            comm.fused_add_rmsnorm(xs[ctx.rank], None, torch.ones(shape[-1], dtype=torch.bfloat16))
+        steps.append((before, comm.workspace.epoch()))
+    return steps
+
+
+def lamport_rearmed_case(ctx, shapes):
+    """Lamport calls of several shapes, then the share of this rank's Lamport buffers that holds the
+    sentinel 0x8000 (it must all be re-armed once every rank has finished)."""
+    comm = ctx.comm(algo="lamport")
+    ws = comm.workspace
+    plans = []
+    for i, shape in enumerate(shapes):
+        xs = all_inputs(1600 + i, ctx.world_size, shape, torch.bfloat16)
+        xs[ctx.rank].view(-1)[::3] = -0.0  # -0.0 has the sentinel's bits: pushed as +0.0
+        comm.fused_add_rmsnorm(xs[ctx.rank], None, torch.ones(shape[-1], dtype=torch.bfloat16))
+        plans.append(comm.plan("fused_add_rmsnorm", xs[0].numel() * 2, shape[-1], torch.bfloat16).algorithm)
+    dist.barrier()
+    lam = ws.buffer[ws.flag_bytes + 2 * ws.world_size * ws.slot_bytes:].view(torch.int16)
+    return {"plans": plans, "sentinel_words": int((lam == -32768).sum()), "words": lam.numel()}
 
 
 def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
@@ -467,18 +501,14 @@ def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
 
 # -- launch bodies: (rank, world_size, *args) ------------------------------------------------------------
 def launch_identity(rank, world_size, tag):
-    """What a launched rank sees of its set-up."""
-    return {"rank": rank, "world_size": world_size, "dist_rank": dist.get_rank(),
+    """What a launched rank sees of its set-up, and a kernel all_reduce on a fresh Communicator."""
+    with tpcomm.Communicator() as comm:
+        y = comm.all_reduce(torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16))
+        uses_kernels = comm.uses_kernels
+    return {"y": y, "uses_kernels": uses_kernels,"rank": rank, "world_size": world_size, "dist_rank": dist.get_rank(),
             "dist_world": dist.get_world_size(), "backend": str(dist.get_backend()),
             "interpret": os.environ.get("TRITON_INTERPRET"), "omp": os.environ.get("OMP_NUM_THREADS"),
             "threads": torch.get_num_threads(), "tag": tag, "pid": os.getpid()}
-
-
-def launch_all_reduce(rank, world_size):
-    """A kernel all_reduce in freshly launched ranks."""
-    with tpcomm.Communicator() as comm:
-        y = comm.all_reduce(torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16))
-        return {"y": y, "uses_kernels": comm.uses_kernels}
 
 
 def launch_raise_on(rank, world_size, bad_rank, message):
@@ -512,3 +542,74 @@ def launch_die_after_comm(rank, world_size, pid_dir, how, dying_rank, timeout_s)
     with open(os.path.join(pid_dir, f"rank{rank}.seen"), "w") as f:
         json.dump({"error": err, "elapsed": elapsed}, f)
     return rank
+
+
+def reference_collective_case(ctx, dtype):
+    """The collective references against the local ones, from seeded inputs."""
+    shape = (3, 40)
+    if dtype.is_floating_point:
+        xs = all_inputs(1800, ctx.world_size, shape, dtype)
+    else:
+        xs = [torch.arange(120).reshape(shape).to(dtype) * (q + 1) for q in range(ctx.world_size)]
+    result = {"ar": tpcomm.all_reduce_reference(xs[ctx.rank]),
+              "ar_local": (tpcomm.reduce_in_rank_order(xs) if dtype.is_floating_point
+                           else sum(x.to(torch.int64) for x in xs).to(dtype))}
+    if dtype.is_floating_point:
+        res = residual_input(1800, shape, dtype)
+        w = weight_input(1800, shape[-1], dtype)
+        result["out"], result["ro"] = tpcomm.fused_add_rmsnorm_reference(xs[ctx.rank], res, w, 1e-6)
+        result["out_local"], result["ro_local"] = tpcomm.add_rmsnorm_reference(
+            tpcomm.reduce_in_rank_order(xs), res, w, 1e-6)
+    return result
+
+
+def subgroup_case(ctx, members):
+    """A Communicator on a subgroup (``dist.new_group(members)``, collective on every rank): group
+    ranks differ from global ranks. Members return their group rank, the sums and references."""
+    group = dist.new_group(members)
+    if ctx.rank not in members:
+        return None
+    xs = all_inputs(1900, len(members), (3, 40), torch.bfloat16)
+    res = residual_input(1900, (3, 40), torch.bfloat16)
+    w = weight_input(1900, 40, torch.bfloat16)
+    with tpcomm.Communicator(group) as comm:
+        me = comm.rank
+        y = comm.all_reduce(xs[me])
+        out, ro = comm.fused_add_rmsnorm(xs[me], res, w)
+        uses = comm.uses_kernels
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
+    return {"group_rank": me, "uses_kernels": uses, "y": y, "s_ref": s_ref, "out": out, "out_ref": out_ref,
+            "residual_out": ro, "residual_out_ref": ro_ref}
+
+
+def odd_shapes_case(ctx):
+    """A 0-dim all_reduce and a 1-D ``(H,)`` fused call (one row)."""
+    comm = ctx.comm()
+    xs = [torch.tensor(float(q) + 0.5) for q in range(ctx.world_size)]
+    y = comm.all_reduce(xs[ctx.rank])
+    rows = all_inputs(1950, ctx.world_size, (64,), torch.bfloat16)
+    w = weight_input(1950, 64, torch.bfloat16)
+    out, ro = comm.fused_add_rmsnorm(rows[ctx.rank], rows[0], w)
+    out_ref, ro_ref = tpcomm.add_rmsnorm_reference(tpcomm.reduce_in_rank_order(rows), rows[0], w, 1e-6)
+    return {"y": y, "y_ref": tpcomm.reduce_in_rank_order(xs), "out": out, "out_ref": out_ref,
+            "residual_out": ro, "residual_out_ref": ro_ref}
+
+
+def small_slot_case(ctx, op, shape, dtype, max_bytes):
+    """A call whose single row does not fit ``max_bytes``: the plan it takes and the result against the
+    reference."""
+    comm = ctx.comm(max_bytes)
+    xs = all_inputs(1960, ctx.world_size, shape, dtype)
+    x = xs[ctx.rank]
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    if op == "all_reduce":
+        hidden = min(x.numel(), dispatch.ALL_REDUCE_ROW)
+        return {"plan": comm.plan(op, x.numel() * x.element_size(), hidden, dtype).algorithm,
+                "y": comm.all_reduce(x), "ref": s_ref}
+    res = residual_input(1960, shape, dtype)
+    w = weight_input(1960, shape[-1], dtype)
+    out, ro = comm.fused_add_rmsnorm(x, res, w)
+    out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
+    return {"plan": comm.plan(op, x.numel() * x.element_size(), shape[-1], dtype).algorithm,
+            "out": out, "out_ref": out_ref, "residual_out": ro, "residual_out_ref": ro_ref}

@@ -151,6 +151,33 @@ def test_three_dimensional_input(pool, algo, dtype):
     check.done()
 
 
+def test_scalar_and_one_dimensional_inputs(pool):
+    """``all_reduce`` of a 0-dim tensor; ``fused_add_rmsnorm`` of a 1-D ``(H,)`` row."""
+    results = pool.run(rank_cases.odd_shapes_case)
+    check = Checks()
+    for r, res in enumerate(results):
+        check(assert_same_bits, res["y"], res["y_ref"], f"rank {r} 0-dim all_reduce")
+        check(assert_same_bits, res["residual_out"], res["residual_out_ref"], f"rank {r} 1-D residual_out")
+        check(assert_within_ulp, res["out"], res["out_ref"], 1, f"rank {r} 1-D out")
+    check.done()
+
+
+def test_subgroup(pool3):
+    """A Communicator on ranks {1, 2} of 3: group ranks (0, 1) differ from global ones; rank 0 is not
+    in it and never calls."""
+    results = pool3.run(rank_cases.subgroup_case, [1, 2])
+    check = Checks()
+    check.that(results[0] is None, "rank 0 is not a member")
+    for r in (1, 2):
+        res = results[r]
+        check.that(res["group_rank"] == r - 1 and res["uses_kernels"],
+                   f"rank {r}: group rank {res['group_rank']}, kernels {res['uses_kernels']}")
+        check(assert_same_bits, res["y"], res["s_ref"], f"rank {r} all_reduce")
+        check(assert_same_bits, res["residual_out"], res["residual_out_ref"], f"rank {r} residual_out")
+        check(assert_within_ulp, res["out"], res["out_ref"], 1, f"rank {r} out")
+    check.done()
+
+
 # -- chunking and batch invariance -------------------------------------------------------------------------------
 #: (op, dtype, shape, max_bytes): messages several times larger than one launch can carry. H = 300 rows
 #: take 608 bytes (bf16) or 1216 (fp32) in a slot, so 4096 bytes carry 6 or 3 rows; H = 2047 carries
@@ -189,6 +216,30 @@ def test_chunked_equals_whole(pool, algo, op, dtype, shape, max_bytes):
         if op == "all_reduce":
             check(assert_same_bits, chunked[0], res["ref"], f"rank {r} all_reduce vs reference")
     check(assert_ranks_identical, [res["chunked"][0] for res in results], "chunked output")
+    check.done()
+
+
+def test_fused_row_wider_than_max_bytes_is_still_right(pool2):
+    """A row that does not fit one slot (2880 bf16 = 5760 bytes > 4096) cannot be chunked by rows; the
+    call must still meet the contract (whatever path it takes)."""
+    results = pool2.run(rank_cases.small_slot_case, "fused_add_rmsnorm", (2, 2880), torch.bfloat16, 4096)
+    check = Checks()
+    for r, res in enumerate(results):
+        check(assert_same_bits, res["residual_out"], res["residual_out_ref"], f"rank {r} residual_out")
+        check(assert_within_ulp, res["out"], res["out_ref"], 1, f"rank {r} out")
+    check.done()
+
+
+def test_all_reduce_chunks_with_a_small_max_bytes(pool2):
+    """DESIGN.md, Chunking: messages larger than the workspace go through the same kernels in pieces,
+    "no switch to another library within a node". A plain all_reduce is elementwise, so no row width
+    forces it out of the kernels: with max_bytes = 4096, 5000 bf16 elements must still run a kernel."""
+    results = pool2.run(rank_cases.small_slot_case, "all_reduce", (5000,), torch.bfloat16, 4096)
+    check = Checks()
+    for r, res in enumerate(results):
+        check(assert_same_bits, res["y"], res["ref"], f"rank {r} all_reduce")
+        check.that(res["plan"] != "fallback", f"rank {r}: all_reduce of 5000 bf16 with max_bytes=4096 "
+                                              f"planned {res['plan']!r}: torch.distributed, not chunked kernels")
     check.done()
 
 

@@ -1,0 +1,55 @@
+"""Dispatch (``tpcomm/dispatch.py``): a pure function of the call's shape, the same on every rank.
+Thresholds are measured and will move; these tests pin the invariants, not the numbers."""
+
+import pytest
+import torch
+
+from tpcomm import dispatch
+
+
+@pytest.mark.parametrize("H", [1, 7, 16, 123, 2880, 4096, 6144, 8192, 8200, 16400])
+def test_row_config_tiles_the_row(H):
+    cfg = dispatch.row_config(H, 4)
+    assert cfg.block_h & (cfg.block_h - 1) == 0 and 16 <= cfg.block_h <= dispatch.MAX_BLOCK_H, cfg
+    assert cfg.num_tiles * cfg.block_h >= H > (cfg.num_tiles - 1) * cfg.block_h, cfg
+
+
+@pytest.mark.parametrize("H", [7, 2880, 8200])
+def test_row_config_depends_on_hidden_alone(H):
+    """The tiling (and so the norm's reduction tree) must not change with the grid cap or rows."""
+    a, b = dispatch.row_config(H, 4), dispatch.row_config(H, 264)
+    assert (a.block_h, a.num_tiles, a.num_warps) == (b.block_h, b.num_tiles, b.num_warps)
+
+
+def test_row_config_rejects_empty_rows():
+    with pytest.raises(ValueError, match="hidden"):
+        dispatch.row_config(0, 4)
+
+
+@pytest.mark.parametrize("n_rows", [0, 1, 3, 4, 5, 1000])
+def test_grid_is_capped(n_rows):
+    g = dispatch.row_config(64, 4).grid(n_rows)
+    assert 1 <= g <= 4 and g == max(1, min(n_rows, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.float64, torch.float8_e4m3fn], ids=str)
+def test_dtypes_without_kernels_fall_back(dtype):
+    assert dispatch.choose("all_reduce", 2, 1024, 512, dtype).algorithm == "fallback"
+
+
+@pytest.mark.parametrize("kwargs", [{"world_size": 1}, {"kernels_available": False}, {"forced": "fallback"}],
+                         ids=["one_rank", "no_workspace", "forced"])
+def test_fallback_conditions(kwargs):
+    args = {"op": "fused_add_rmsnorm", "world_size": 2, "nbytes": 4096, "hidden": 2048,
+            "dtype": torch.bfloat16, **kwargs}
+    assert dispatch.choose(**args).algorithm == "fallback"
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("nbytes", [2, 4096, 1 << 20, 64 << 20])
+def test_kernels_for_float_dtypes(dtype, nbytes, world):
+    """Every float message of any size runs a kernel algorithm on two or more ranks; Lamport (a 16-bit
+    sentinel) never gets fp32."""
+    plan = dispatch.choose("all_reduce", world, nbytes, 4096, dtype)
+    assert plan.algorithm != "fallback" and not (plan.algorithm == "lamport" and dtype == torch.float32), plan

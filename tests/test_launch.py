@@ -1,0 +1,61 @@
+"""``tpcomm.launch`` (``tpcomm/launch.py``): rank processes, their set-up, failures and timeouts.
+Each launch spawns fresh processes (seconds each), so there are few of them."""
+
+import time
+
+import pytest
+import torch
+
+import rank_cases
+from numerics import Checks, assert_same_bits
+from tpcomm.launch import RankFailure, launch
+
+#: Seconds a launch that must fail fast (a rank sleeping far longer) is given.
+SHORT_LAUNCH_TIMEOUT_S = 4.0
+
+
+def test_launch_returns_results_in_rank_order():
+    """Three CPU ranks: results come back in rank order; each rank joined a gloo group of 3 with the
+    Triton interpreter on and one thread; a kernel all_reduce works in them."""
+    results = launch(rank_cases.launch_identity, 3, "cpu", args=("tag-7",), timeout_s=120)
+    check = Checks()
+    check.that(len(results) == 3, f"{len(results)} results")
+    for i, res in enumerate(results):
+        check.that(res["rank"] == i and res["dist_rank"] == i and res["world_size"] == 3 and res["dist_world"] == 3,
+                   f"result {i}: rank {res['rank']} / dist rank {res['dist_rank']} of {res['dist_world']}")
+        check.that(res["backend"] == "gloo", f"rank {i}: backend {res['backend']}")
+        check.that(res["interpret"] == "1" and res["omp"] == "1" and res["threads"] == 1,
+                   f"rank {i}: TRITON_INTERPRET={res['interpret']} OMP_NUM_THREADS={res['omp']} "
+                   f"threads={res['threads']}")
+        check.that(res["tag"] == "tag-7", f"rank {i}: args not passed: {res['tag']}")
+        check.that(res["uses_kernels"], f"rank {i}: the communicator fell back")
+        check(assert_same_bits, res["y"], torch.full((3, 5), 6.0, dtype=torch.bfloat16), f"rank {i} all_reduce")
+    check.that(len({res["pid"] for res in results}) == 3, "ranks share a process")
+    check.done()
+
+
+def test_rank_that_raises_gives_rank_failure_with_traceback():
+    with pytest.raises(RankFailure) as info:
+        launch(rank_cases.launch_raise_on, 2, "cpu", args=(1, "boom-4321"), timeout_s=120)
+    msg = str(info.value)
+    assert "rank 1" in msg and "Traceback" in msg and "ValueError: boom-4321" in msg and "launch_raise_on" in msg, msg
+
+
+def test_launch_timeout_kills_the_ranks():
+    """Ranks that run past ``timeout_s`` are killed and reported, promptly."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        launch(rank_cases.launch_sleep, 2, "cpu", args=(600,), timeout_s=SHORT_LAUNCH_TIMEOUT_S)
+    elapsed = time.monotonic() - t0
+    assert "did not finish" in str(info.value), str(info.value)
+    # 10 s: killing and joining two processes, beyond the timeout itself
+    assert elapsed < SHORT_LAUNCH_TIMEOUT_S + 10, f"launch took {elapsed:.1f} s to give up"
+
+
+@pytest.mark.parametrize("kwargs,word", [({"world_size": 0}, "world_size"), ({"device": "tpu"}, "device"),
+                                         ({"device": "cuda", "world_size": 4096}, "world_size")],
+                         ids=["world_size_0", "device_tpu", "more_gpus_than_visible"])
+def test_launch_bad_arguments(kwargs, word):
+    args = {"world_size": 2, "device": "cpu", **kwargs}
+    with pytest.raises(ValueError, match=word):
+        launch(rank_cases.launch_sleep, args["world_size"], args["device"], args=(0,))
