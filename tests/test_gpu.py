@@ -1,0 +1,130 @@
+"""The correctness checks of the CPU suite on 2 GPUs (NCCL group, symmetric memory), plus CUDA-graph
+capture and replay. Marked ``gpu``; skipped unless two CUDA GPUs are visible. Run on the GPU machine:
+``python -m pytest -q -m gpu tests/test_gpu.py``.
+
+Spawning ranks and joining NCCL costs seconds, so each module-scoped fixture launches once and runs
+every case inside the ranks (``tests/gpu_cases.py``); each parametrized test then reads its own case's
+summary from every rank.
+"""
+
+import pytest
+import torch
+
+import gpu_cases
+from numerics import Checks, algo_dtype_pairs, dtype_name
+from tpcomm.launch import launch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+
+#: Hidden sizes of real models (2880: gpt-oss; 4096, 6144, 7168, 8192: Llama / Qwen / DeepSeek class).
+HIDDEN = [2880, 4096, 6144, 7168, 8192]
+#: Tokens from decode (1) to prefill (4096).
+TOKENS = [1, 16, 64, 256, 1024, 4096]
+#: Cases that also run through a communicator with a small workspace (several launches per call).
+CHUNKED_HIDDEN, CHUNKED_TOKENS = (4096, 7168), (64, 1024)
+#: Bytes per launch of that communicator: 256 KiB carries 32 rows of 4096 bf16, so 1024 rows take 32
+#: launches, and 64 rows two.
+CHUNK_MAX_BYTES = 256 << 10
+#: Seconds for one launch of every eager case (about 150 cases, most of them small).
+EAGER_LAUNCH_TIMEOUT_S = 900
+
+CASES = [(f"{a}-{dtype_name(d)}-{H}x{T}", a, dtype_name(d), H, T, H in CHUNKED_HIDDEN and T in CHUNKED_TOKENS)
+         for a, d in algo_dtype_pairs() for H in HIDDEN for T in TOKENS]
+CASE_IDS = [c[0] for c in CASES]
+CHUNKED_IDS = [c[0] for c in CASES if c[5]]
+
+
+@pytest.fixture(scope="module")
+def eager():
+    """Per rank: ``{case_id: summary}`` from one launch of every case on 2 GPUs."""
+    return launch(gpu_cases.eager_cases, 2, "cuda", args=(CASES, CHUNK_MAX_BYTES),
+                  timeout_s=EAGER_LAUNCH_TIMEOUT_S)
+
+
+def _case(eager, case, check):
+    """Every rank's summary of ``case``; errors recorded as failures."""
+    sums = [per_rank[case] for per_rank in eager]
+    for r, s in enumerate(sums):
+        check.that(s["error"] is None, f"rank {r} raised:\n{s['error']}")
+    return sums
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_all_reduce_matches_reference(eager, case):
+    """all_reduce into a NaN-filled out: every element written, bit-exact, the same on both GPUs."""
+    check = Checks()
+    sums = _case(eager, case, check)
+    for r, s in enumerate(sums):
+        if s["error"] is None:
+            check.that(s["nan_left"] == 0, f"rank {r}: {s['nan_left']} elements of out never written")
+            check.that(s["s_mismatch"] == 0, f"rank {r}: {s['s_mismatch']} elements differ from the reference")
+    check.that(len({s.get("hash_s") for s in sums}) == 1, "ranks hold different all_reduce bits")
+    check.done()
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_fused_matches_reference(eager, case):
+    """fused_add_rmsnorm: residual_out bit-exact, out within the ulp tolerance, the same on both GPUs,
+    and the forced algorithm ran."""
+    algo = case.split("-")[0]
+    check = Checks()
+    sums = _case(eager, case, check)
+    for r, s in enumerate(sums):
+        if s["error"] is None:
+            check.that(s["ro_mismatch"] == 0, f"rank {r}: residual_out: {s['ro_mismatch']} elements differ")
+            check.that(s["out_max_ulp"] <= s["out_tol"], f"rank {r}: out {s['out_max_ulp']} ulp from the "
+                                                         f"reference (tolerance {s['out_tol']})")
+            check.that(s["plan_fused"] == algo, f"rank {r}: plan {s['plan_fused']!r}, expected {algo!r}")
+    check.that(len({(s.get("hash_out"), s.get("hash_ro")) for s in sums}) == 1, "ranks hold different bits")
+    check.done()
+
+
+@pytest.mark.parametrize("case", CHUNKED_IDS)
+def test_chunked_equals_whole(eager, case):
+    """The same calls through a communicator of CHUNK_MAX_BYTES: several launches, identical bits."""
+    check = Checks()
+    sums = _case(eager, case, check)
+    for r, s in enumerate(sums):
+        if s["error"] is None:
+            check.that(s["chunk_launches"] > 1, f"rank {r}: {s['chunk_launches']} launch(es): not chunked")
+            for name in ("chunk_out_mismatch", "chunk_ro_mismatch", "chunk_s_mismatch"):
+                check.that(s[name] == 0, f"rank {r}: {name} = {s[name]}")
+    check.done()
+
+
+#: Replays of the captured graph: odd, so the graph's calls end on the other epoch parity than they
+#: started, and many, so every buffer is reused with stale data from earlier replays in it.
+GRAPH_REPLAYS = 51
+
+
+def test_cuda_graph_replay():
+    """Several fused and all_reduce calls (Lamport and one-shot) captured in one CUDA graph, a second
+    graph beside it; replayed GRAPH_REPLAYS times with new inputs copied into the captured inputs,
+    interleaved with eager calls; every replay equals eager on the same inputs and the reference, on
+    both GPUs identically."""
+    results = launch(gpu_cases.graph_replays, 2, "cuda", args=(GRAPH_REPLAYS, 4242), timeout_s=600)
+    check = Checks()
+    for r, res in enumerate(results):
+        check.that(not res["failures"], f"rank {r}: {len(res['failures'])} failures:\n" + "\n".join(res["failures"][:20]))
+        check.that(len(res["digests"]) == GRAPH_REPLAYS, f"rank {r}: {len(res['digests'])} replays checked")
+    check.that(results[0]["digests"] == results[1]["digests"], "the GPUs' graph outputs differ")
+    check.done()
+
+
+#: A short kernel timeout on the GPU (measured with %globaltimer, so the wall time should follow it).
+GPU_TIMEOUT_S = 0.5
+
+
+def test_peer_timeout_names_the_missing_peer():
+    algos = sorted({a for a, _ in algo_dtype_pairs()})
+    results = launch(gpu_cases.gpu_peer_timeout, 2, "cuda", args=(GPU_TIMEOUT_S, algos), timeout_s=300)
+    check = Checks()
+    for algo in algos:
+        seen = results[0][algo]
+        err = seen["error"]
+        check.that(err is not None and err["type"] == "PeerTimeoutError" and err.get("peer") == 1,
+                   f"{algo}: rank 0 saw {err}")
+        # 5 s: the timeout plus a launch and a synchronisation, with room for a busy host
+        check.that(seen["elapsed"] < GPU_TIMEOUT_S + 5, f"{algo}: took {seen['elapsed']:.1f} s")
+    check.done()
