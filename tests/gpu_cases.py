@@ -237,31 +237,35 @@ def graph_replays(rank, world_size, replays, seed0):
     return {"failures": failures, "digests": digests}
 
 
-def gpu_peer_timeout(rank, world_size, timeout_s, algos):
-    """For each algorithm: rank 1 skips one call on a fresh communicator with a short timeout; rank 0's
-    call must end in PeerTimeoutError naming peer 1. Returns what rank 0 saw and how long it took."""
+def gpu_peer_timeout(rank, world_size, timeout_s, configs):
+    """For each ``(algo, op, T)``: rank 1 skips one call of ``T`` rows of 4096 bf16 on a fresh
+    communicator with a short timeout; rank 0's call must end in PeerTimeoutError naming peer 1.
+    Returns ``{"algo-op-T": {"error", "elapsed"}}`` as rank 0 saw it."""
     import time
 
     import torch.distributed as dist
 
     seen = {}
-    for algo in algos:
+    device = torch.device("cuda", torch.cuda.current_device())
+    for algo, op, T in configs:
         comm = _new_comm(algo, timeout_s=timeout_s)
-        x = torch.ones(2, 4096, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device()))
-        comm.all_reduce(x)  # a call both ranks make (compiles the kernel before anything is timed)
+        x = torch.ones(T, 4096, dtype=torch.bfloat16, device=device)
+        w = torch.ones(4096, dtype=torch.bfloat16, device=device)
+        call = (lambda: comm.all_reduce(x)) if op == "all_reduce" else (lambda: comm.fused_add_rmsnorm(x, x, w))
+        call()  # a call both ranks make (compiles the kernel before anything is timed)
         torch.cuda.synchronize()
         if rank == 0:
             t0 = time.perf_counter()
             err = None
             try:
-                comm.all_reduce(x)
+                call()
                 torch.cuda.synchronize()
                 comm.check()
             except tpcomm.PeerTimeoutError as e:
                 err = {"type": "PeerTimeoutError", "peer": e.peer, "message": str(e)}
             except Exception as e:
                 err = {"type": type(e).__name__, "message": str(e)}
-            seen[algo] = {"error": err, "elapsed": time.perf_counter() - t0}
+            seen[f"{algo}-{op}-{T}"] = {"error": err, "elapsed": time.perf_counter() - t0}
         torch.cuda.synchronize()
         dist.barrier()
         comm.close()
