@@ -16,6 +16,7 @@ import torch
 
 import tpcomm
 from numerics import bits, out_ulp_tolerance, ulp_distance
+from rank_cases import layout_of
 
 
 #: A number per dtype for the case seeds (Python's str hash differs between processes).
@@ -69,18 +70,20 @@ def _new_comm(algo, max_bytes=None, timeout_s=None):
 
 
 def eager_cases(rank, world_size, cases, chunk_max_bytes):
-    """Run every case ``(case_id, algo, dtype_name, H, T, chunked)`` and summarise it.
+    """Run every case ``(case_id, algo, dtype_name, H, T, chunked, layout)`` and summarise it.
 
     For each: ``all_reduce(x, out=NaN-filled)`` and ``fused_add_rmsnorm`` on a communicator that forces
-    ``algo``, compared with the reference; when ``chunked``, the same fused call and all_reduce on a
-    communicator with ``max_bytes=chunk_max_bytes`` (several launches) compared bit for bit with the
-    first. Returns ``{case_id: summary}``; a case that raised has ``error`` set (and the next cases
-    still run, on fresh communicators).
+    ``algo``, with ``x`` (and the residual) in ``layout`` (``rank_cases.layout_of``), compared with the
+    reference. The fused outputs are poisoned as far as the caller can: NaN-filled blocks of their size
+    are freed just before the call, so the caching allocator hands them out again. When ``chunked``, the
+    same fused call and all_reduce on a communicator with ``max_bytes=chunk_max_bytes`` (several
+    launches) compared bit for bit with the first. Returns ``{case_id: summary}``; a case that raised
+    has ``error`` set (and the next cases still run, on fresh communicators).
     """
     device = torch.device("cuda", torch.cuda.current_device())
     comms: dict = {}
     summaries = {}
-    for case_id, algo, dtype_name, H, T, chunked in cases:
+    for case_id, algo, dtype_name, H, T, chunked, layout in cases:
         dtype = getattr(torch, dtype_name)
         summary: dict = {"error": None}
         try:
@@ -90,17 +93,21 @@ def eager_cases(rank, world_size, cases, chunk_max_bytes):
             comm = comms[key]
             seed = 100_000 * H + 10 * T + DTYPE_CODES[dtype_name]  # the same on every rank
             xs, res, w = gpu_inputs(seed, world_size, (T, H), dtype, device)
-            x = xs[rank]
+            x = layout_of(xs[rank], layout)
+            r_in = layout_of(res, layout)
             s_ref = tpcomm.reduce_in_rank_order(xs)
             out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
-            y = torch.full_like(x, float("nan"))
+            y = torch.full((T, H), float("nan"), dtype=dtype, device=device)
             comm.all_reduce(x, out=y)
-            out, ro = comm.fused_add_rmsnorm(x, res, w, eps=1e-6)
+            poison = [torch.full((T, H), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+            del poison
+            out, ro = comm.fused_add_rmsnorm(x, r_in, w, eps=1e-6)
             torch.cuda.synchronize()
             comm.check()
             summary.update(
                 plan_fused=comm.plan("fused_add_rmsnorm", x.numel() * x.element_size(), H, dtype).algorithm,
                 nan_left=int(y.isnan().sum()), s_mismatch=_mismatch(y, s_ref),
+                x_untouched=torch.equal(bits(x), bits(xs[rank])),
                 ro_mismatch=_mismatch(ro, ro_ref), out_max_ulp=_max_ulp(out, out_ref),
                 out_tol=out_ulp_tolerance(dtype, H),
                 hash_s=_digest(y), hash_ro=_digest(ro), hash_out=_digest(out))

@@ -26,16 +26,23 @@ from numerics import all_inputs, bits, residual_input, weight_input
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+def layout_of(t: torch.Tensor, layout: str) -> torch.Tensor:
     """``t``'s values in a given memory layout: ``contiguous``, ``strided`` (every other column of a
-    wider tensor, like ``x[:, ::2]``) or ``transposed`` (a ``.t()`` view of the transposed copy)."""
+    wider tensor, like ``x[:, ::2]``), ``transposed`` (a ``.t()`` view of the transposed copy) or
+    ``offset`` (contiguous from the second element of its storage)."""
     if layout == "contiguous":
         return t.clone()
     if layout == "strided":
-        wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype)
+        wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype, device=t.device)
         wide[..., ::2] = t
         v = wide[..., ::2]
         assert not v.is_contiguous()
+        return v
+    if layout == "offset":  # contiguous, but starting one element into its storage (misaligned)
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        flat[1:] = t.reshape(-1)
+        v = flat[1:].view(t.shape)
+        assert v.is_contiguous() and v.storage_offset() == 1
         return v
     if layout == "transposed":
         v = t.t().contiguous().t()
@@ -68,7 +75,8 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
     ``inplace`` (out=x), ``strided`` (a NaN-filled non-contiguous out whose gaps must stay NaN)."""
     comm = ctx.comm(max_bytes, algo=algo)
     xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
-    x = _layout(xs[ctx.rank], layout)
+    x = layout_of(xs[ctx.rank], layout)
+    x_before = x.clone()
     gaps = None
     if out_mode == "new":
         y = comm.all_reduce(x)
@@ -88,6 +96,7 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
     else:
         raise ValueError(out_mode)
     result = {"y": y.clone(), "ref": tpcomm.reduce_in_rank_order(xs), "gaps": gaps,
+              "x_untouched": out_mode == "inplace" or torch.equal(bits(x), bits(x_before)),
               "plan": comm.plan("all_reduce", x.numel() * x.element_size(), min(x.numel(), dispatch.ALL_REDUCE_ROW),
                                 dtype).algorithm}
     if kind == "int":
@@ -105,8 +114,8 @@ def fused_case(ctx, seed, shape, dtype, kind="randn", residual=True, gemma=False
     xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
     res = residual_input(seed, shape, dtype, kind) if residual else None
     w = weight_input(seed, H, w_dtype or dtype, gemma)
-    x = _layout(xs[ctx.rank], layout)
-    r_in = _layout(res, layout) if res is not None else None
+    x = layout_of(xs[ctx.rank], layout)
+    r_in = layout_of(res, layout) if res is not None else None
     x_before = x.clone()
     out, ro = comm.fused_add_rmsnorm(x, r_in, w, eps=eps, gemma=gemma)
     s_ref = tpcomm.reduce_in_rank_order(xs)
@@ -613,3 +622,30 @@ def small_slot_case(ctx, op, shape, dtype, max_bytes):
     out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
     return {"plan": comm.plan(op, x.numel() * x.element_size(), shape[-1], dtype).algorithm,
             "out": out, "out_ref": out_ref, "residual_out": ro, "residual_out_ref": ro_ref}
+
+
+def single_rank_group_case(ctx):
+    """A Communicator on a group of one rank (rank 0 alone; ``new_group`` is collective on all ranks):
+    it falls back, and the contract still holds (-0.0 in gives +0.0 out)."""
+    group = dist.new_group([0])
+    if ctx.rank != 0:
+        return None
+    with tpcomm.Communicator(group) as comm:
+        x = torch.tensor([-0.0, 1.5, -2.25, float("inf")], dtype=torch.bfloat16)
+        y = comm.all_reduce(x)
+        out, ro = comm.fused_add_rmsnorm(x[:3].reshape(1, 3), torch.zeros(1, 3, dtype=torch.bfloat16),
+                                         torch.ones(3, dtype=torch.bfloat16))
+        return {"uses_kernels": comm.uses_kernels, "reason": comm.fallback_reason, "y": y,
+                "y_ref": tpcomm.reduce_in_rank_order([x]), "residual_out": ro,
+                "residual_out_ref": tpcomm.reduce_in_rank_order([x[:3].reshape(1, 3)])}
+
+
+# -- harness self-checks ----------------------------------------------------------------------------------
+def raise_on_every_rank(ctx, message):
+    raise ValueError(f"{message} on rank {ctx.rank}")
+
+
+def sleep_on_rank(ctx, rank, seconds):
+    if ctx.rank == rank:
+        time.sleep(seconds)
+    return ctx.rank

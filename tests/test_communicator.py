@@ -9,7 +9,7 @@ import torch
 
 import rank_cases
 from numerics import (Checks, algo_dtype_pairs, assert_ranks_identical, assert_same_bits,
-                      assert_within_ulp, dtype_name, out_ulp_tolerance)
+                      assert_within_ulp, bits, dtype_name, out_ulp_tolerance)
 
 ALGO_DTYPES = [pytest.param(a, d, id=f"{a}-{dtype_name(d)}") for a, d in algo_dtype_pairs()]
 ALGOS = sorted({a for a, _ in algo_dtype_pairs()})
@@ -121,10 +121,11 @@ def test_integer_all_reduce_exact(pool, dtype):
 
 
 # -- layouts and shapes ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["strided", "transposed"])
+@pytest.mark.parametrize("layout", ["strided", "transposed", "offset"])
 @pytest.mark.parametrize("algo,dtype", ALGO_DTYPES)
 def test_non_contiguous_inputs(pool, algo, dtype, layout):
-    """``x[:, ::2]`` and ``x.t()`` (residual likewise) give the result of their contiguous copies."""
+    """``x[:, ::2]``, ``x.t()`` and a contiguous x one element into its storage (residual likewise) give
+    the result of their contiguous copies, and leave x as it was."""
     shape = (5, 24)
     fused = pool.run(rank_cases.fused_case, 900, shape, dtype, layout=layout, algo=algo)
     ar = pool.run(rank_cases.all_reduce_case, 901, shape, dtype, layout=layout, algo=algo)
@@ -134,6 +135,7 @@ def test_non_contiguous_inputs(pool, algo, dtype, layout):
         check(assert_within_ulp, fused[r]["out"], fused[r]["out_ref"], out_ulp_tolerance(dtype, shape[-1]),
               f"rank {r} out")
         check(assert_same_bits, ar[r]["y"], ar[r]["ref"], f"rank {r} all_reduce")
+        check.that(fused[r]["x_untouched"] and ar[r]["x_untouched"], f"rank {r}: x was modified")
     check.done()
 
 
@@ -175,6 +177,19 @@ def test_subgroup(pool3):
         check(assert_same_bits, res["y"], res["s_ref"], f"rank {r} all_reduce")
         check(assert_same_bits, res["residual_out"], res["residual_out_ref"], f"rank {r} residual_out")
         check(assert_within_ulp, res["out"], res["out_ref"], 1, f"rank {r} out")
+    check.done()
+
+
+def test_single_rank_group(pool2):
+    """A group of one rank: no communication (fallback), and still the contract's bits."""
+    results = pool2.run(rank_cases.single_rank_group_case)
+    res = results[0]
+    check = Checks()
+    check.that(results[1] is None, "rank 1 is not a member")
+    check.that(not res["uses_kernels"], f"a group of one uses kernels? {res['reason']}")
+    check(assert_same_bits, res["y"], res["y_ref"], "all_reduce over one rank")
+    check.that(int(bits(res["y"])[0]) == 0, f"-0.0 alone gave bits {int(bits(res['y'])[0]):#x}, not +0.0")
+    check(assert_same_bits, res["residual_out"], res["residual_out_ref"], "residual_out over one rank")
     check.done()
 
 

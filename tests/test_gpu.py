@@ -29,8 +29,13 @@ CHUNK_MAX_BYTES = 256 << 10
 #: Seconds for one launch of every eager case (about 150 cases, most of them small).
 EAGER_LAUNCH_TIMEOUT_S = 900
 
-CASES = [(f"{a}-{dtype_name(d)}-{H}x{T}", a, dtype_name(d), H, T, H in CHUNKED_HIDDEN and T in CHUNKED_TOKENS)
-         for a, d in algo_dtype_pairs() for H in HIDDEN for T in TOKENS]
+#: Non-contiguous and misaligned inputs (rank_cases.layout_of), at one decode and one prefill shape.
+LAYOUTS, LAYOUT_SHAPES = ("strided", "transposed", "offset"), ((16, 4096), (1024, 7168))
+
+CASES = ([(f"{a}-{dtype_name(d)}-{H}x{T}", a, dtype_name(d), H, T, H in CHUNKED_HIDDEN and T in CHUNKED_TOKENS,
+           "contiguous") for a, d in algo_dtype_pairs() for H in HIDDEN for T in TOKENS]
+         + [(f"{a}-{dtype_name(d)}-{H}x{T}-{lay}", a, dtype_name(d), H, T, False, lay)
+            for a, d in algo_dtype_pairs() for T, H in LAYOUT_SHAPES for lay in LAYOUTS])
 CASE_IDS = [c[0] for c in CASES]
 CHUNKED_IDS = [c[0] for c in CASES if c[5]]
 
@@ -65,8 +70,8 @@ def test_all_reduce_matches_reference(eager, case):
 
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_fused_matches_reference(eager, case):
-    """fused_add_rmsnorm: residual_out bit-exact, out within the ulp tolerance, the same on both GPUs,
-    and the forced algorithm ran."""
+    """fused_add_rmsnorm (outputs over freed NaN blocks): residual_out bit-exact, out within the ulp
+    tolerance, the same on both GPUs, the forced algorithm ran, x untouched."""
     algo = case.split("-")[0]
     check = Checks()
     sums = _case(eager, case, check)
@@ -76,6 +81,7 @@ def test_fused_matches_reference(eager, case):
             check.that(s["out_max_ulp"] <= s["out_tol"], f"rank {r}: out {s['out_max_ulp']} ulp from the "
                                                          f"reference (tolerance {s['out_tol']})")
             check.that(s["plan_fused"] == algo, f"rank {r}: plan {s['plan_fused']!r}, expected {algo!r}")
+            check.that(s["x_untouched"], f"rank {r}: the calls modified x")
     check.that(len({(s.get("hash_out"), s.get("hash_ro")) for s in sums}) == 1, "ranks hold different bits")
     check.done()
 

@@ -169,6 +169,7 @@ def test_all_reduce_out(pool, algo, dtype, shape, out_mode):
         check.that(not res["y"].isnan().any(), f"rank {r}: {int(res['y'].isnan().sum())} elements of out "
                                                f"never written (still NaN)")
         check(assert_same_bits, res["y"], res["ref"], f"rank {r} all_reduce out={out_mode}")
+        check.that(res["x_untouched"], f"rank {r}: all_reduce with out={out_mode} modified x")
         if res["gaps"] is not None:
             check.that(bool(res["gaps"].isnan().all()), f"rank {r}: elements between a strided out's "
                                                         "elements were overwritten")
