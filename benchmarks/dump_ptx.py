@@ -16,7 +16,7 @@ tbl = torch.zeros(2, dtype=torch.int64, device="cuda")
 st = torch.zeros(2, dtype=torch.int32, device="cuda")
 k = _one_shot_kernel.warmup(x, x, x, x, x, tbl, tbl, st, st, 1, H, H, H, 1 << 20, 2 << 20, 132, 1e-6,
                             10**9, 0, WORLD=2, BLOCK_H=8192, NUM_TILES=1, NORM=True, HAS_RESIDUAL=True,
-                            GEMMA=False, USE_TIMER=True, num_warps=8, grid=(1,))
+                            GEMMA=False, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 open(f"{out}/one_shot.ptx", "w").write(ptx)
 for pat in ("ld.global.v4", "st.global.v4", "ld.global.cg.v4", "ld.acquire.sys", "atom.release.sys", "globaltimer"):

@@ -9,7 +9,8 @@ Every rank holds one buffer of the same size, mapped by every other rank of the 
 Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it. Two int64 tables on the
 kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
 (``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, finish
-counter]`` (int32, device memory, advanced by the kernels) and four int32 error words, which on CUDA
+counter, broken]`` (int32, device memory, advanced by the kernels; ``broken`` is set by a wait that
+expired) and four int32 error words, which on CUDA
 live in pinned host memory so the host reads them without a device synchronisation.
 
 Backends:
@@ -26,10 +27,6 @@ import uuid
 
 import torch
 import torch.distributed as dist
-
-#: Polls a second of the interpreter's spin loop, to turn the timeout into a poll count on the CPU
-#: (measured on a 2-core CPU machine, see docs/benchmarks.md; an estimate, not a contract).
-INTERPRETER_POLLS_PER_S = 20_000
 
 _ALIGN = 256
 
@@ -67,9 +64,8 @@ class Workspace:
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
         self.data_bytes = 2 * self.world_size * self.slot_bytes
         self.total_bytes = self.flag_bytes + self.data_bytes + 2 * self.world_size * self.lamport_slot_bytes
-        self.use_timer = device.type == "cuda"
         self.timeout_s = timeout_s
-        self.timeout = int(timeout_s * 1e9) if self.use_timer else int(timeout_s * INTERPRETER_POLLS_PER_S)
+        self.timeout = int(timeout_s * 1e9)  # nanoseconds, as the kernels' waits count them
         self._shm_paths: list[str] = []
         self._handle = None
         if device.type == "cuda":
@@ -80,7 +76,7 @@ class Workspace:
         self.buf_table = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
         self.lamport_table = torch.tensor([b + self.flag_bytes + self.data_bytes for b in bases],
                                           dtype=torch.int64, device=device)
-        self.state = torch.tensor([1, 0], dtype=torch.int32, device=device)
+        self.state = torch.tensor([1, 0, 0], dtype=torch.int32, device=device)
         self.err = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.closed = False
 

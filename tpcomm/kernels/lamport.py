@@ -26,40 +26,33 @@ import triton
 import triton.language as tl
 
 from .epilogue import reduce_norm_row
-from .sync import ERR_TIMEOUT, finish_program, peer_ptr, read_epoch
+from .sync import finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_timeout
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
 
 
 @triton.jit
-def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, timeout, err_ptr,
-               WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Spin until no element of this tile in any peer's slot holds the sentinel (bounded)."""
+def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, timeout, err_ptr, state_ptr,
+               WORLD: tl.constexpr):
+    """Spin until no element of this tile in any peer's slot holds the sentinel (bounded).
+
+    Returns the timeout left for later waits: ``timeout``, or 0 once a wait expired."""
     for q in tl.static_range(WORLD):
         if q != rank:
             p = recv_row_ptr + q * slot_stride + cols
             bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
             pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
-            if USE_TIMER:
-                start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                                  is_pure=False, pack=1)
-                waited = start - start
-            else:
-                waited = 0
+            start = now_ns()
+            waited = start - start
             while (pending != 0) & (waited < timeout):
                 bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
                 pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
-                if USE_TIMER:
-                    waited = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
-                                                       dtype=tl.int64, is_pure=False, pack=1) - start
-                else:
-                    waited += 1
+                waited = now_ns() - start
             if pending != 0:
-                tl.store(err_ptr + 1, q)
-                tl.store(err_ptr + 2, epoch)
-                tl.store(err_ptr + 3, program)
-                tl.store(err_ptr, ERR_TIMEOUT)
+                record_timeout(err_ptr, state_ptr, q, epoch, program)
+            timeout = tl.where(pending != 0, 0, timeout)
+    return timeout
 
 
 @triton.jit
@@ -68,11 +61,11 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                     n_rows, H, numel, row_stride, slot_stride, parity_stride,
                     eps, timeout, rank,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
-                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-                    USE_TIMER: tl.constexpr):
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = read_epoch(state_ptr)
+    timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     offs = tl.arange(0, BLOCK_H)
 
@@ -98,8 +91,8 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            _poll_tile(recv + row * row_stride, slot_stride, cols, mask, rank, epoch, pid, timeout,
-                       err_ptr, WORLD, USE_TIMER)
+            timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, rank, epoch, pid,
+                                 timeout, err_ptr, state_ptr, WORLD)
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         row_start, numel, H, eps, rank,
@@ -133,5 +126,5 @@ def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps
         ws.world_size * ws.lamport_slot_bytes // 2,
         eps, ws.timeout, ws.rank,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
-        HAS_RESIDUAL=has_res, GEMMA=gemma, USE_TIMER=ws.use_timer, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, num_warps=cfg.num_warps,
     )

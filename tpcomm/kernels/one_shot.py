@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .epilogue import reduce_norm_row
-from .sync import finish_program, peer_ptr, read_epoch, send_flag, wait_flag
+from .sync import finish_program, launch_timeout, peer_ptr, read_epoch, send_flag, wait_flag
 
 
 @triton.jit
@@ -33,11 +33,11 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, max_programs,
                      eps, timeout, rank,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
-                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-                     USE_TIMER: tl.constexpr):
+                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = read_epoch(state_ptr)
+    timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
@@ -66,7 +66,8 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     own_flags = peer_ptr(flag_table_ptr, rank, tl.int32) + flag_off
     for q in tl.static_range(WORLD):
         if q != rank:
-            wait_flag(own_flags + q, epoch, q, pid, timeout, err_ptr, USE_TIMER)
+            ok = wait_flag(own_flags + q, epoch, q, pid, timeout, err_ptr, state_ptr)
+            timeout = tl.where(ok, timeout, 0)
     tl.debug_barrier()
 
     # 4. Reduce in rank order and run the epilogue.
@@ -104,5 +105,5 @@ def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, ep
         ws.parity_elems(x.element_size()), ws.max_programs,
         eps, ws.timeout, ws.rank,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
-        HAS_RESIDUAL=has_res, GEMMA=gemma, USE_TIMER=ws.use_timer, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, num_warps=cfg.num_warps,
     )
