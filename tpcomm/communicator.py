@@ -49,7 +49,7 @@ class Communicator:
     the kernels, and no call depends on a host value that changes.
 
     Raises:
-        ValueError: ``max_bytes`` or ``timeout_s`` is not positive.
+        ValueError: ``max_bytes`` or ``timeout_s`` is out of range, or ``max_bytes`` differs between ranks.
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -80,19 +80,22 @@ class Communicator:
     # -- set-up -------------------------------------------------------------------------------------
     def _set_up(self) -> str | None:
         """Create the workspace if every rank can; returns why not (None when it exists). Collective."""
-        info = (socket.gethostname(), self._local_programs())
+        info = (socket.gethostname(), self._local_programs(), self.max_bytes)
         infos: list = [None] * self.world_size
         dist.all_gather_object(infos, info, group=self.group)
+        if len({m for _, _, m in infos}) > 1:
+            raise ValueError(f"Communicator: max_bytes differs between ranks ({[m for _, _, m in infos]}); "
+                             "every rank must pass the same value")
         reason = None
         if self.world_size < 2:
             reason = "a group of one rank needs no communication"
-        elif len({h for h, _ in infos}) > 1:
+        elif len({h for h, _, _ in infos}) > 1:
             reason = "the group spans several hosts"
         elif self.device.type == "cpu" and not interpreter_enabled():
             reason = "CPU ranks need TRITON_INTERPRET=1 set before tpcomm is imported"
         if reason is not None:
             return reason
-        max_programs = min(p for _, p in infos)
+        max_programs = min(p for _, p, _ in infos)
         error = None
         try:
             ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s,
@@ -153,13 +156,13 @@ class Communicator:
         if x.numel() == 0:
             return out
         n = x.numel()
-        plan = self.plan(op, n * x.element_size(), min(n, dispatch.ALL_REDUCE_ROW), x.dtype)
+        width = self._all_reduce_width(n, x.element_size())
+        plan = self.plan(op, n * x.element_size(), n, x.dtype)
         if plan.algorithm == "fallback":
             out.copy_(reference.all_reduce_reference(x, self.group))
             return out
         src = x.contiguous().view(-1)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
-        width = min(n, dispatch.ALL_REDUCE_ROW)
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
                        gemma=False)
         if dst.data_ptr() != out.data_ptr():
@@ -189,7 +192,7 @@ class Communicator:
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
             ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device, or
-                ``eps`` is negative or not finite.
+                ``eps`` is negative or not finite (TypeError if it is not a number).
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "fused_add_rmsnorm"
@@ -213,6 +216,8 @@ class Communicator:
                              f"x's last dimension")
         if not weight.is_floating_point():
             raise TypeError(f"{op}: weight has dtype {weight.dtype}; expected a float dtype")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
         eps = float(eps)
         if not (eps >= 0.0 and eps != float("inf")):
             raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
@@ -237,8 +242,22 @@ class Communicator:
         return out, residual_out
 
     # -- plans and launches -------------------------------------------------------------------------
+    def _all_reduce_width(self, n: int, element_size: int) -> int:
+        """Row width of a plain all-reduce of ``n`` elements: ``ALL_REDUCE_ROW``, or less so that one
+        row fits a slot of a small workspace (then the call runs in chunks instead of falling back)."""
+        width = min(n, dispatch.ALL_REDUCE_ROW)
+        if self.workspace is not None:
+            width = min(width, max(16, self.workspace.slot_elems(element_size) // 16 * 16))
+        return width
+
     def plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
-        """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank)."""
+        """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank).
+
+        ``hidden`` is the row width of ``fused_add_rmsnorm``; for ``all_reduce`` it is ignored (the
+        width is derived from ``nbytes``, see ``_all_reduce_width``).
+        """
+        if op == "all_reduce":
+            hidden = self._all_reduce_width(nbytes // _elsize(dtype), _elsize(dtype))
         plan = dispatch.choose(op, self.world_size, nbytes, hidden, dtype, self.env.algo,
                                kernels_available=self.workspace is not None)
         if plan.algorithm != "fallback" and self.workspace.rows_per_launch(hidden, _elsize(dtype)) < 1:
