@@ -245,7 +245,7 @@ class Communicator:
     def _all_reduce_width(self, n: int, element_size: int) -> int:
         """Row width of a plain all-reduce of ``n`` elements: ``ALL_REDUCE_ROW``, or less so that one
         row fits a slot of a small workspace (then the call runs in chunks instead of falling back)."""
-        width = min(n, dispatch.ALL_REDUCE_ROW)
+        width = max(1, min(n, dispatch.ALL_REDUCE_ROW))
         if self.workspace is not None:
             width = min(width, max(16, self.workspace.slot_elems(element_size) // 16 * 16))
         return width
