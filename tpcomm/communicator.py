@@ -70,8 +70,8 @@ class Communicator:
         if not 0 < max_bytes <= MAX_MAX_BYTES:
             raise ValueError(f"Communicator: max_bytes must be in (0, {MAX_MAX_BYTES}], got {max_bytes}")
         self.timeout_s = self.env.timeout_s if timeout_s is None else float(timeout_s)
-        if not self.timeout_s > 0:
-            raise ValueError(f"Communicator: timeout_s must be > 0, got {timeout_s}")
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"Communicator: timeout_s must be positive and finite, got {timeout_s}")
         self.max_bytes = max_bytes
         self.workspace: Workspace | None = None
         self.fallback_reason = self._set_up()

@@ -40,11 +40,18 @@ def read_env() -> EnvConfig:
     algo = os.environ.get("TPCOMM_ALGO", "auto").strip().lower()
     if algo not in ALGO_CHOICES:
         raise ValueError(f"TPCOMM_ALGO={algo!r}: expected one of {', '.join(ALGO_CHOICES)}")
-    timeout_s = float(os.environ.get("TPCOMM_TIMEOUT_S", "30"))
-    if not timeout_s > 0:
-        raise ValueError(f"TPCOMM_TIMEOUT_S={timeout_s}: expected a positive number of seconds")
+    raw = os.environ.get("TPCOMM_TIMEOUT_S", "30")
+    try:
+        timeout_s = float(raw)
+    except ValueError:
+        timeout_s = float("nan")
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"TPCOMM_TIMEOUT_S={raw!r}: expected a positive, finite number of seconds")
     mp = os.environ.get("TPCOMM_MAX_PROGRAMS")
-    max_programs = int(mp) if mp else None
+    try:
+        max_programs = int(mp) if mp else None
+    except ValueError:
+        raise ValueError(f"TPCOMM_MAX_PROGRAMS={mp!r}: expected an integer >= 1") from None
     if max_programs is not None and max_programs < 1:
         raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer >= 1")
     return EnvConfig(algo=algo, timeout_s=timeout_s, max_programs=max_programs)
