@@ -514,7 +514,8 @@ def launch_identity(rank, world_size, tag):
     with tpcomm.Communicator() as comm:
         y = comm.all_reduce(torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16))
         uses_kernels = comm.uses_kernels
-    return {"y": y, "uses_kernels": uses_kernels,"rank": rank, "world_size": world_size, "dist_rank": dist.get_rank(),
+    # plain values: tensors in a launch result are the subject of test_launch_returns_tensors
+    return {"y": y.float().tolist(), "y_dtype": str(y.dtype), "uses_kernels": uses_kernels,"rank": rank, "world_size": world_size, "dist_rank": dist.get_rank(),
             "dist_world": dist.get_world_size(), "backend": str(dist.get_backend()),
             "interpret": os.environ.get("TRITON_INTERPRET"), "omp": os.environ.get("OMP_NUM_THREADS"),
             "threads": torch.get_num_threads(), "tag": tag, "pid": os.getpid()}
@@ -649,3 +650,8 @@ def sleep_on_rank(ctx, rank, seconds):
     if ctx.rank == rank:
         time.sleep(seconds)
     return ctx.rank
+
+
+def launch_return_tensors(rank, world_size, n):
+    """Return ``n`` small CPU tensors (a picklable value, as launch documents)."""
+    return [torch.full((2,), float(rank * n + i)) for i in range(n)]
