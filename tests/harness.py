@@ -74,21 +74,26 @@ class RankContext:
         self._comms.clear()
 
 
-def new_communicator(max_bytes: int | None = None, timeout_s: float | None = None, algo: str | None = None):
-    """A new ``tpcomm.Communicator`` on the world group, created with ``TPCOMM_ALGO=algo`` when given
-    (and the variable restored afterwards). Collective."""
+def new_communicator(max_bytes: int | None = None, timeout_s: float | None = None, algo: str | None = None,
+                     env: dict | None = None, group=None):
+    """A new ``tpcomm.Communicator`` created with ``TPCOMM_ALGO=algo`` (when given) and the variables
+    in ``env`` set (tpcomm reads them at construction); the environment is restored afterwards.
+    Collective."""
     import tpcomm
 
-    saved = os.environ.get("TPCOMM_ALGO")
+    extra = dict(env or {})
     if algo is not None:
-        os.environ["TPCOMM_ALGO"] = algo
+        extra["TPCOMM_ALGO"] = algo
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update({k: str(v) for k, v in extra.items()})
     try:
-        return tpcomm.Communicator(max_bytes=max_bytes, timeout_s=timeout_s)
+        return tpcomm.Communicator(group, max_bytes=max_bytes, timeout_s=timeout_s)
     finally:
-        if saved is None:
-            os.environ.pop("TPCOMM_ALGO", None)
-        else:
-            os.environ["TPCOMM_ALGO"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _rank_main(rank: int, world_size: int, port: int, tasks, results) -> None:

@@ -353,8 +353,9 @@ def constructor_error_case(ctx, case):
         os.environ["TPCOMM_ALGO"] = "warp_speed"
     try:
         kwargs = {"max_bytes_zero": {"max_bytes": 0}, "max_bytes_negative": {"max_bytes": -4096},
+                  "max_bytes_differ": {"max_bytes": 4096 * (ctx.rank + 1)},  # collective: every rank
                   "timeout_zero": {"timeout_s": 0}, "timeout_negative": {"timeout_s": -1.0},
-                  "algo_env": {}}[case]
+                  "timeout_inf": {"timeout_s": float("inf")}, "algo_env": {}}[case]
         return _error(lambda: tpcomm.Communicator(**kwargs))
     finally:
         if saved is None:
@@ -655,3 +656,28 @@ def sleep_on_rank(ctx, rank, seconds):
 def launch_return_tensors(rank, world_size, n):
     """Return ``n`` small CPU tensors (a picklable value, as launch documents)."""
     return [torch.full((2,), float(rank * n + i)) for i in range(n)]
+
+
+def grid_case(ctx, seed, shape, dtype, programs_per_rank, algo=None):
+    """Fused and all_reduce on a fresh communicator whose ranks set ``TPCOMM_MAX_PROGRAMS`` to
+    ``programs_per_rank[rank]`` (None: unset). Returns the outputs and the grid cap agreed."""
+    p = programs_per_rank[ctx.rank]
+    comm = new_communicator(algo=algo, env={"TPCOMM_MAX_PROGRAMS": p} if p is not None else None)
+    try:
+        xs = all_inputs(seed, ctx.world_size, shape, dtype)
+        res = residual_input(seed, shape, dtype)
+        w = weight_input(seed, shape[-1], dtype)
+        out, ro = comm.fused_add_rmsnorm(xs[ctx.rank], res, w)
+        return {"out": out, "residual_out": ro, "s": comm.all_reduce(xs[ctx.rank]),
+                "max_programs": comm.workspace.max_programs, "s_ref": tpcomm.reduce_in_rank_order(xs)}
+    finally:
+        comm.close()
+
+
+def env_timeout_case(ctx, value):
+    """A communicator created with ``TPCOMM_TIMEOUT_S=value`` and no timeout_s argument."""
+    comm = new_communicator(env={"TPCOMM_TIMEOUT_S": value})
+    try:
+        return {"timeout_s": comm.timeout_s, "workspace_timeout_s": comm.workspace.timeout_s}
+    finally:
+        comm.close()

@@ -71,16 +71,19 @@ def test_bad_input_raises(pool2, case):
 BAD_CONSTRUCTOR = {
     "max_bytes_zero": (ValueError, "max_bytes"),
     "max_bytes_negative": (ValueError, "max_bytes"),
+    "max_bytes_differ": (ValueError, "max_bytes"),  # ranks pass different values: refused on every rank
     "timeout_zero": (ValueError, "timeout_s"),
     "timeout_negative": (ValueError, "timeout_s"),
+    "timeout_inf": (ValueError, "timeout_s"),
     "algo_env": (ValueError, "TPCOMM_ALGO"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONSTRUCTOR))
-def test_bad_constructor_argument_raises(pool2, case):
+def test_bad_constructor_argument_raises(pool, case):
+    """The documented ValueError naming the argument, on every rank, without a hang."""
     exc, word = BAD_CONSTRUCTOR[case]
-    results = pool2.run(rank_cases.constructor_error_case, case)
+    results = pool.run(rank_cases.constructor_error_case, case)
     check = Checks()
     for r, seen in enumerate(results):
         check.that(seen is not None and seen[0] == exc.__name__ and word in seen[1],
@@ -190,6 +193,37 @@ def test_single_rank_group(pool2):
     check(assert_same_bits, res["y"], res["y_ref"], "all_reduce over one rank")
     check.that(int(bits(res["y"])[0]) == 0, f"-0.0 alone gave bits {int(bits(res['y'])[0]):#x}, not +0.0")
     check(assert_same_bits, res["residual_out"], res["residual_out_ref"], "residual_out over one rank")
+    check.done()
+
+
+#: Grid caps per rank (TPCOMM_MAX_PROGRAMS; None: the default of 4 on CPU), including ranks that ask for
+#: different caps (set-up must agree on the smallest, or the ranks would wait for programs never run).
+GRIDS = [(None, None, None), (1, 1, 1), (3, 3, 3), (1, 3, None)]
+
+
+@pytest.mark.parametrize("algo,dtype", [p for p in ALGO_DTYPES if p.values[1] != torch.float16])
+def test_grid_size_never_changes_a_bit(pool, algo, dtype):
+    """The contract holds for every grid: 9 rows under grid caps 4, 1, 3 and mixed give the same bits."""
+    runs = [pool.run(rank_cases.grid_case, 1250, (9, 300), dtype, g[:pool.world_size], algo=algo) for g in GRIDS]
+    check = Checks()
+    for g, results in zip(GRIDS, runs):
+        want = min(p if p is not None else 4 for p in g[:pool.world_size])
+        for r, res in enumerate(results):
+            check.that(res["max_programs"] == want, f"caps {g}: rank {r} runs {res['max_programs']} programs, "
+                                                    f"expected the smallest cap {want}")
+            check(assert_same_bits, res["s"], res["s_ref"], f"caps {g}: rank {r} all_reduce")
+            for name in ("out", "residual_out"):
+                check(assert_same_bits, res[name], runs[0][0][name], f"caps {g}: rank {r} {name} vs default grid")
+    check.done()
+
+
+def test_timeout_from_environment(pool2):
+    """TPCOMM_TIMEOUT_S sets the kernels' timeout when timeout_s is not given."""
+    results = pool2.run(rank_cases.env_timeout_case, "2.5")
+    check = Checks()
+    for r, res in enumerate(results):
+        check.that(res["timeout_s"] == 2.5 and res["workspace_timeout_s"] == 2.5,
+                   f"rank {r}: timeout_s {res['timeout_s']}, workspace's {res['workspace_timeout_s']}")
     check.done()
 
 
