@@ -277,3 +277,50 @@ def gpu_peer_timeout(rank, world_size, timeout_s, configs):
         dist.barrier()
         comm.close()
     return seen
+
+
+def gpu_special_values(rank, world_size, pairs):
+    """For each ``(algo, dtype name)``: -0.0 from every rank (s and residual_out must be +0.0, sign bit
+    clear) and NaN / +-Inf in some ranks' inputs (compared with the reference, any NaN matching any
+    NaN). Returns ``{"algo-dtype": [failure messages]}``."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    report = {}
+    for algo, dtype_name in pairs:
+        dtype = getattr(torch, dtype_name)
+        failures = []
+        comm = _new_comm(algo)
+        try:
+            z = torch.full((3, 4096), -0.0, dtype=dtype, device=device)
+            w = torch.ones(4096, dtype=dtype, device=device)
+            s = comm.all_reduce(z)
+            out, ro = comm.fused_add_rmsnorm(z, z, w)
+            for name, t in (("s", s), ("residual_out", ro), ("out", out)):
+                if int((bits(t) != 0).sum()):
+                    failures.append(f"-0.0 inputs: {name} has {int((bits(t) != 0).sum())} elements not +0.0")
+            xs = []
+            for q in range(world_size):
+                x = torch.full((2, 4096), float(q + 1), dtype=dtype, device=device)
+                x[0, 1] = float("inf")
+                if q == 0:
+                    x[0, 0], x[0, 2], x[0, 3] = float("nan"), float("inf"), float("-inf")
+                if q == world_size - 1:
+                    x[0, 2] = float("-inf")
+                xs.append(x)
+            res = torch.ones(2, 4096, dtype=dtype, device=device)
+            s = comm.all_reduce(xs[rank])
+            out, ro = comm.fused_add_rmsnorm(xs[rank], res, w)
+            s_ref = tpcomm.reduce_in_rank_order(xs)
+            out_ref, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6)
+            torch.cuda.synchronize()
+            for name, a, b in (("s", s, s_ref), ("residual_out", ro, ro_ref), ("out", out, out_ref)):
+                if not torch.equal(a.isnan(), b.isnan()):
+                    failures.append(f"special values: {name}: NaN at different places")
+                elif int(((bits(a) != bits(b)) & ~a.isnan()).sum()):
+                    failures.append(f"special values: {name}: {int(((bits(a) != bits(b)) & ~a.isnan()).sum())} "
+                                    "elements differ from the reference")
+        except Exception:
+            failures.append(traceback.format_exc())
+        finally:
+            comm.close()
+        report[f"{algo}-{dtype_name}"] = failures
+    return report

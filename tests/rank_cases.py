@@ -502,7 +502,9 @@ def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
         else:
             again = None
         dist.barrier()  # the skipper keeps its workspace until every caller has given up
-        return {"seen": seen, "elapsed": elapsed, "again": again,
+        with new_communicator(algo=algo) as fresh:  # the documented remedy: a new communicator
+            after = fresh.all_reduce(torch.full((2, 64), float(ctx.rank + 1), dtype=dtype))
+        return {"seen": seen, "elapsed": elapsed, "again": again, "after": after,
                 "polls_timeout": comm.workspace.timeout if comm.workspace else None,
                 "max_programs": comm.workspace.max_programs if comm.workspace else None}
     finally:

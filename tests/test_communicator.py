@@ -400,10 +400,12 @@ TIMEOUT_BOUND_S = 10 * TIMEOUT_S
 @pytest.mark.parametrize("algo", ALGOS)
 def test_peer_timeout_names_the_missing_peer(pool, algo, op):
     """Rank 1 skips a call: every other rank's call raises PeerTimeoutError with ``peer == 1``, soon;
-    the communicator stays unusable (the next call raises it again)."""
+    the communicator stays unusable (the next call raises it again); a new communicator works."""
     results = pool.run(rank_cases.peer_timeout_case, TIMEOUT_S, op, (1, 64), torch.bfloat16, algo=algo)
     check = Checks()
+    total = float(sum(range(1, pool.world_size + 1)))
     for r, res in enumerate(results):
+        check.that(bool((res["after"] == total).all()), f"rank {r}: a new communicator's all_reduce is wrong")
         if r == 1:
             continue
         seen = res["seen"]

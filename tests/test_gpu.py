@@ -99,6 +99,23 @@ def test_chunked_equals_whole(eager, case):
     check.done()
 
 
+SPECIAL_PAIRS = [(a, dtype_name(d)) for a, d in algo_dtype_pairs()]
+
+
+@pytest.fixture(scope="module")
+def special():
+    return launch(gpu_cases.gpu_special_values, 2, "cuda", args=(SPECIAL_PAIRS,), timeout_s=300)
+
+
+@pytest.mark.parametrize("pair", [f"{a}-{d}" for a, d in SPECIAL_PAIRS])
+def test_negative_zero_nan_and_inf(special, pair):
+    """-0.0 gives +0.0 (the Lamport sentinel's bits never leak); NaN and Inf propagate as IEEE says."""
+    check = Checks()
+    for r, per_rank in enumerate(special):
+        check.that(not per_rank[pair], f"rank {r}: " + "\n".join(per_rank[pair]))
+    check.done()
+
+
 #: Replays of the captured graph: odd, so the graph's calls end on the other epoch parity than they
 #: started, and many, so every buffer is reused with stale data from earlier replays in it.
 GRAPH_REPLAYS = 51
