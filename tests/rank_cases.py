@@ -505,7 +505,7 @@ def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
         with new_communicator(algo=algo) as fresh:  # the documented remedy: a new communicator
             after = fresh.all_reduce(torch.full((2, 64), float(ctx.rank + 1), dtype=dtype))
         return {"seen": seen, "elapsed": elapsed, "again": again, "after": after,
-                "polls_timeout": comm.workspace.timeout if comm.workspace else None,
+                "kernel_timeout": comm.workspace.timeout if comm.workspace else None,
                 "max_programs": comm.workspace.max_programs if comm.workspace else None}
     finally:
         comm.close()
