@@ -7,6 +7,7 @@ GPUs: one process per GPU with an NCCL group. CPU: one process per rank with a g
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -70,8 +71,9 @@ def _worker(rank, world_size, device, port, fn, args, results):
 
     try:
         init_rank(rank, world_size, device, port)
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # pickled here, so tensors travel by value: torch's queue pickler would pass them as file
+        # descriptors that the parent fetches from this process, which may have exited by then
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure, including KeyboardInterrupt in a rank
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -149,4 +151,4 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
         if missing:
             msg += f"\nranks {missing} did not finish (crashed or ran past {timeout_s:g} s)"
         raise RankFailure(msg)
-    return [out[r][1] for r in range(world_size)]
+    return [pickle.loads(out[r][1]) for r in range(world_size)]
