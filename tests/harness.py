@@ -80,20 +80,13 @@ def new_communicator(max_bytes: int | None = None, timeout_s: float | None = Non
     in ``env`` set (tpcomm reads them at construction); the environment is restored afterwards.
     Collective."""
     import tpcomm
+    from tpcomm.launch import environment
 
     extra = dict(env or {})
     if algo is not None:
         extra["TPCOMM_ALGO"] = algo
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update({k: str(v) for k, v in extra.items()})
-    try:
+    with environment(extra):
         return tpcomm.Communicator(group, max_bytes=max_bytes, timeout_s=timeout_s)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _rank_main(rank: int, world_size: int, port: int, tasks, results) -> None:

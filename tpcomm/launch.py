@@ -34,13 +34,10 @@ def default_device() -> str:
 
 
 @contextmanager
-def _rank_environment(device: str):
-    """Set the variables ranks inherit at spawn, and restore the parent's afterwards."""
-    extra = dict(GPU_ENV)
-    if device == "cpu":
-        extra.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+def environment(extra: dict):
+    """Set the variables in ``extra`` (values made strings) for the block, then restore the old ones."""
     saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    os.environ.update({k: str(v) for k, v in extra.items()})
     try:
         yield
     finally:
@@ -49,6 +46,14 @@ def _rank_environment(device: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _rank_environment(device: str):
+    """Set the variables ranks inherit at spawn, and restore the parent's afterwards."""
+    extra = dict(GPU_ENV)
+    if device == "cpu":
+        extra.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    return environment(extra)
 
 
 def init_rank(rank: int, world_size: int, device: str, port: int) -> None:
