@@ -88,3 +88,73 @@ def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, 
     """``add_rmsnorm_reference(all_reduce_reference(x), residual, weight, eps, gemma)``: the unfused
     path. Collective. Returns ``(out, residual_out)``."""
     return add_rmsnorm_reference(all_reduce_reference(x, group), residual, weight, eps, gemma)
+
+
+#: FP8 NaN byte the quantisation gives for every NaN (torch keeps the sign: 0xFF for -NaN in e4m3fn).
+_FP8_NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80}
+#: float32 NaN (0x7FC00000) the scale of a row or group holding a NaN has.
+_F32_NAN = torch.tensor(0x7FC00000, dtype=torch.int32).view(torch.float32).item()
+
+
+def _fp8_quantize_reference(v: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` for float32 ``v`` and its amax (broadcastable): contract item 4 with the
+    saturation and NaN rules of :mod:`tpcomm.kernels.quant`."""
+    if fp8_dtype not in _FP8_NAN_BYTE:
+        raise ValueError(f"fp8_dtype={fp8_dtype}; expected torch.float8_e4m3fn or torch.float8_e4m3fnuz")
+    fp8_max = torch.finfo(fp8_dtype).max  # 448 (e4m3fn), 240 (e4m3fnuz)
+    scale = amax / fp8_max
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # amax 0 (or an underflowing quotient)
+    scale = torch.where(scale.isnan(), _F32_NAN, scale)  # one NaN bit pattern, whatever the platform's
+    qf = (v / scale).clamp(-fp8_max, fp8_max)  # saturate; clamp keeps NaN
+    # In range, torch's conversion rounds to nearest-even; the NaN byte is made canonical.
+    q = torch.where(qf.isnan(), _FP8_NAN_BYTE[fp8_dtype], qf.to(fp8_dtype).view(torch.uint8))
+    return q.to(torch.uint8).view(fp8_dtype), scale
+
+
+def per_token_quant_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 quantisation in plain torch (contract item 4), the oracle of
+    :func:`tpcomm.quant.per_token_quant_fp8`: ``amax = max |f32(x)|`` per row (NaN propagates),
+    ``scale = amax / MAX`` (448 e4m3fn, 240 e4m3fnuz; 1 where that is 0), ``q = fp8(clamp(f32(x) /
+    scale, -MAX, MAX))``, every NaN as the canonical NaN byte (0x7F e4m3fn, 0x80 e4m3fnuz).
+
+    Args:
+        x: ``(T, H)`` float tensor, ``H >= 1``.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+    Returns:
+        ``(q, scales)``: ``q`` ``(T, H)`` of ``fp8_dtype``; ``scales`` ``(T, 1)`` float32.
+    Raises:
+        ValueError: another ``fp8_dtype``.
+    """
+    v = x.to(torch.float32)
+    q, scale = _fp8_quantize_reference(v, v.abs().amax(dim=-1, keepdim=True), fp8_dtype)
+    return q, scale
+
+
+def per_group_quant_reference(x: torch.Tensor, group_size: int = 128,
+                              fp8_dtype: torch.dtype = torch.float8_e4m3fn, column_major_scales: bool = False
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group FP8 quantisation in plain torch: :func:`per_token_quant_reference` applied to each
+    ``group_size`` consecutive elements of a row; the oracle of :func:`tpcomm.quant.per_group_quant_fp8`.
+
+    Args:
+        x: ``(T, H)`` float tensor, ``H`` a multiple of ``group_size``.
+        group_size: elements per scale (default 128, DeepSeek-V3's 1 x 128).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        column_major_scales: return ``scales`` as the transpose view of a contiguous
+            ``(H // group_size, T)`` tensor instead of a contiguous ``(T, H // group_size)`` one.
+    Returns:
+        ``(q, scales)``: ``q`` ``(T, H)`` of ``fp8_dtype``; ``scales`` ``(T, H // group_size)`` float32.
+    Raises:
+        ValueError: ``H`` is not a multiple of ``group_size``; another ``fp8_dtype``.
+    """
+    T, H = x.shape
+    if group_size < 1 or H % group_size:
+        raise ValueError(f"per_group_quant_reference: H={H} is not a multiple of group_size={group_size}")
+    v = x.to(torch.float32).reshape(T, H // group_size, group_size)
+    q, scale = _fp8_quantize_reference(v, v.abs().amax(dim=-1, keepdim=True), fp8_dtype)
+    scales = scale.reshape(T, H // group_size)
+    if column_major_scales:
+        scales = torch.empty((H // group_size, T), dtype=torch.float32, device=x.device).t().copy_(scales)
+    return q.reshape(T, H), scales

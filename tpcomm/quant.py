@@ -1,0 +1,149 @@
+"""Standalone FP8 quantisation of activations: per-token and per-group (Triton).
+
+The unfused path of the quantised epilogues (issue 4) and what their bytes are checked
+against; the numerics are DESIGN.md's contract item 4, written out in :mod:`tpcomm.kernels.quant`.
+``tpcomm.reference`` has the same functions in plain torch (``per_token_quant_reference``,
+``per_group_quant_reference``), the oracle of the tests.
+
+Equivalent in torch, per row (or per group of ``group_size`` consecutive elements of a row)::
+
+    v = x.float(); amax = v.abs().amax(-1, keepdim=True)
+    scale = amax / MAX; scale[scale == 0] = 1                # MAX: 448 e4m3fn, 240 e4m3fnuz
+    q = (v / scale).clamp(-MAX, MAX).to(fp8_dtype)          # NaN -> the canonical NaN byte
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton.language as tl
+
+from .dispatch import row_config
+from .env import interpreter_enabled
+from .kernels import quant as _k
+
+#: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+#: Input dtypes the kernels quantise.
+QUANT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Default group size: DeepSeek-V3's 1 x 128 activation blocks.
+DEFAULT_GROUP_SIZE = 128
+#: Largest group size: a group must fit in one tile of a row (``dispatch.MAX_BLOCK_H``).
+MAX_GROUP_SIZE = 8192
+
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
+
+
+def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
+    """Whether the kernels may use the hardware float32 -> FP8 conversion (``NATIVE_FP8``) for
+    ``fp8_dtype`` on ``device``: e4m3fn on NVIDIA GPUs of compute capability 8.9 or newer, outside
+    the interpreter. Either choice gives the same bytes; the fused kernels pass the same value."""
+    if interpreter_enabled() or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return fp8_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _check(op: str, x, fp8_dtype) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in QUANT_INPUT_DTYPES:
+        raise TypeError(f"{op}: x has dtype {x.dtype}; expected bfloat16, float16 or float32")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D (T, H), got shape {tuple(x.shape)}")
+    if x.shape[1] < 1:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}; rows need at least one element (H >= 1)")
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"{op}: fp8_dtype={fp8_dtype}; expected torch.float8_e4m3fn or "
+                         "torch.float8_e4m3fnuz")
+    want = "cpu" if interpreter_enabled() else "cuda"
+    if x.device.type != want:
+        how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if want == "cpu" else "CUDA"
+        raise ValueError(f"{op}: x is on {x.device}, but the kernels run on {how} in this process; "
+                         f"move x to {want}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def per_token_quant_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each row of ``x`` to FP8 with one float32 scale per row (DESIGN.md contract item 4).
+
+    ``scale = amax / MAX`` (1 where that is 0; ``MAX`` 448 for e4m3fn, 240 for e4m3fnuz) and
+    ``q = fp8(f32(x) / scale)``, the division correctly rounded, saturated to ``[-MAX, MAX]``,
+    rounded to nearest-even; every NaN becomes the canonical NaN byte (0x7F e4m3fn, 0x80 e4m3fnuz),
+    so a row holding a NaN has scale NaN and all bytes NaN. Dequantise with ``q.float() * scale``.
+    Plain torch: :func:`tpcomm.reference.per_token_quant_reference` (same bytes).
+
+    Args:
+        x: ``(T, H)`` bfloat16, float16 or float32, on CUDA (on the CPU under the interpreter). Any
+            row stride; a column stride other than 1 is copied to contiguous first. ``T`` may be 0.
+        fp8_dtype: ``torch.float8_e4m3fn`` (default; NVIDIA) or ``torch.float8_e4m3fnuz`` (AMD MI300).
+    Returns:
+        ``(q, scales)``: ``q`` ``(T, H)`` of ``fp8_dtype``, contiguous; ``scales`` ``(T, 1)`` float32.
+        Safe to capture in a CUDA graph (one launch, no host synchronisation).
+    Raises:
+        TypeError: ``x`` is not a tensor or has another dtype.
+        ValueError: ``x`` is not 2-D or has ``H == 0``; ``fp8_dtype`` is not one of the two formats;
+            ``x`` is on a device the kernels do not run on in this process.
+    """
+    _check("per_token_quant_fp8", x, fp8_dtype)
+    x = _rows(x)
+    T, H = x.shape
+    q = torch.empty((T, H), dtype=fp8_dtype, device=x.device)
+    scales = torch.empty((T, 1), dtype=torch.float32, device=x.device)
+    cfg = row_config(H, 1)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _k.launch_per_token_quant(x, q.view(torch.uint8), scales, _TL_FP8[fp8_dtype],
+                                  native_fp8(x.device, fp8_dtype), cfg.block_h, cfg.num_tiles, cfg.num_warps)
+    return q, scales
+
+
+def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                        fp8_dtype: torch.dtype = torch.float8_e4m3fn, column_major_scales: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to FP8 with one float32 scale per ``group_size`` consecutive elements of a row
+    (DeepSeek-V3's 1 x 128 activation quantisation; numerics of :func:`per_token_quant_fp8` applied to
+    each group).
+
+    Args:
+        x: ``(T, H)`` bfloat16, float16 or float32, as for :func:`per_token_quant_fp8`.
+        group_size: elements per scale; a power of two from 1 to 8192 (a group lies within one tile
+            of a row) dividing ``H``. Default 128 (DeepSeek-V3).
+        fp8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e4m3fnuz``.
+        column_major_scales: False (default): ``scales`` is ``(T, H // group_size)`` contiguous, scale of
+            row ``t``, group ``g`` at ``scales[t, g]``. True: the layout grouped GEMMs (DeepGEMM, vLLM's
+            ``column_major_scales``) read: storage is a contiguous ``(H // group_size, T)`` tensor and
+            ``scales`` is its transpose view, shape ``(T, H // group_size)``, strides ``(1, T)``; the
+            values are the same, ``scales.t()`` is the contiguous storage.
+    Returns:
+        ``(q, scales)``: ``q`` ``(T, H)`` of ``fp8_dtype``, contiguous; ``scales`` float32 as above.
+        Safe to capture in a CUDA graph.
+    Raises:
+        TypeError: ``x`` is not a tensor or has another dtype; ``group_size`` is not an int.
+        ValueError: as :func:`per_token_quant_fp8`; ``group_size`` is not a power of two in
+            [1, 8192]; ``H`` is not a multiple of ``group_size``.
+    """
+    op = "per_group_quant_fp8"
+    _check(op, x, fp8_dtype)
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__}")
+    if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
+        raise ValueError(f"{op}: group_size={group_size}; expected a power of two from 1 to {MAX_GROUP_SIZE}")
+    T, H = x.shape
+    if H % group_size:
+        raise ValueError(f"{op}: x has H={H} elements per row, not a multiple of group_size={group_size}")
+    x = _rows(x)
+    q = torch.empty((T, H), dtype=fp8_dtype, device=x.device)
+    n_groups = H // group_size
+    if column_major_scales:
+        scales = torch.empty((n_groups, T), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((T, n_groups), dtype=torch.float32, device=x.device)
+    cfg = row_config(H, 1)  # block_h is a power of two >= min(H, 8192) >= group_size
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _k.launch_per_group_quant(x, q.view(torch.uint8), scales, group_size, _TL_FP8[fp8_dtype],
+                                  native_fp8(x.device, fp8_dtype), cfg.block_h, cfg.num_tiles, cfg.num_warps)
+    return q, scales
