@@ -107,7 +107,9 @@ def _fp8_quantize_reference(v: torch.Tensor, amax: torch.Tensor, fp8_dtype: torc
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # amax 0 (or an underflowing quotient)
     scale = torch.where(scale.isnan(), _F32_NAN, scale)  # one NaN bit pattern, whatever the platform's
     qf = (v / scale).clamp(-fp8_max, fp8_max)  # saturate; clamp keeps NaN
-    # In range, torch's conversion rounds to nearest-even; the NaN byte is made canonical.
+    # In range, torch's conversion rounds to nearest-even. Out of range it depends on the version and
+    # device (2.13 CPU saturates e4m3fn; 2.11 CUDA gives NaN above 464), hence the clamp first.
+    # NaN keeps its sign in torch (0xFF); here every NaN gets the one byte.
     q = torch.where(qf.isnan(), _FP8_NAN_BYTE[fp8_dtype], qf.to(fp8_dtype).view(torch.uint8))
     return q.to(torch.uint8).view(fp8_dtype), scale
 

@@ -22,11 +22,15 @@ infinities (Inf / Inf) and 0 elsewhere (IEEE arithmetic, DESIGN.md item 5).
 
 Why not a plain ``.to(tl.float8e4nv)``: Triton's interpreter (3.9) converts float32 to FP8 wrongly
 (ties round up, a mantissa carry drops the exponent: 1.9375 -> 1.0, Inf -> 0x78, NaN -> 0x7C, out of
-range -> the NaN byte), and Triton's NVIDIA backend has no e4m3fnuz at all. So the encoder works on
-the float32 bits with integer operations, which give the same bytes on every backend
-(``fp8_encode_soft``); with ``NATIVE_FP8`` it uses the hardware conversion for e4m3fn instead (NVIDIA
-``cvt.rn.satfinite.e4m3x2.f32``; the clamp and the NaN byte are made explicit around it, so it is the
-same function). Bytes are returned as ``uint8``: launchers pass a ``uint8`` view of the FP8 output.
+range -> the NaN byte), and Triton's NVIDIA backend has no e4m3fnuz at all (3.6 on an H200: a
+``CompilationError``). So the encoder works on the float32 bits with integer operations, which give the
+same bytes on every backend (:func:`fp8_encode_soft`); with ``NATIVE_FP8`` it uses the hardware
+conversion for e4m3fn instead. Triton 3.6 on an H200 emits ``cvt.rn.satfinite.e4m3x2.f32``: nearest-
+even, +-Inf and out-of-range values to +-448, every NaN to 0x7F; the clamp and the NaN byte are made
+explicit around it anyway. Both give the same byte for all 2^32 float32 inputs (``tests/test_quant.py``,
+GPU), and the native one is faster: a standalone per-token quant of 4096 x 7168 bf16 took 58 us
+native against 94 us soft (eager, median). Bytes are returned as ``uint8``: launchers pass a ``uint8``
+view of the FP8 output.
 
 Tiling: a row of up to ``BLOCK_H`` elements is one tile; wider rows take ``NUM_TILES`` tiles
 (:func:`tpcomm.dispatch.row_config`). Per-token: a first pass finds amax over every tile, a second
