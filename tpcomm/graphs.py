@@ -1,0 +1,208 @@
+"""CUDA-graph safety: what an inference engine must do, a warm-up helper and a capture guard.
+
+What an engine must do, and when:
+
+1. **Create every Communicator before any capture** (one per process group; collective). The
+   constructor sets up and arms the workspace (zeroed signal pads, Lamport buffers filled with the
+   sentinel) and exchanges addresses over the process group, none of which can be captured. A graph
+   captures the workspace's addresses: keep the communicator open while any graph that uses it may
+   replay, and close it only after the last replay has completed.
+2. **Run every call once, with the shapes that will be captured, before capturing** — one eager forward
+   per captured batch size, or :func:`warmup`. The first call of a shape compiles and loads its Triton
+   kernels (host work that must not happen inside a capture). With ``torch.compile``, the compiled
+   model's first runs do this (``mode="reduce-overhead"`` warms up before it captures).
+3. **Capture on one stream.** Call a communicator from the capturing stream only: nothing of tpcomm on a
+   side stream during capture. Calls of one communicator are ordered by the stream (epochs advance
+   inside the kernels), so two streams inside one graph could run two calls at once.
+4. **Replay freely.** No host value changes per call: epochs and the Lamport buffer index live in device
+   memory and advance inside the kernels, so a graph replays any number of times, interleaved with eager
+   calls and other graphs of the same communicator, as long as every rank replays the same graphs and
+   makes the same eager calls in the same order (each call is collective).
+5. **After replays**, call ``comm.check()`` (cheap, no synchronisation) from time to time: a peer timeout
+   inside a replay is reported there or by the next eager call.
+
+:func:`capture_guard` checks points 1-3 for calls made through :mod:`tpcomm.ops` (the custom ops and
+their wrappers; direct ``Communicator`` method calls are not seen)::
+
+    tpcomm.graphs.warmup(comm, [(T, H) for T in batch_sizes])     # or one eager forward per size
+    with tpcomm.graphs.capture_guard(comm):
+        for T in batch_sizes:
+            with torch.cuda.graph(graphs[T]):
+                outs[T] = model(static_inputs[T])
+
+Inside the guard, a call made during capture raises :class:`GraphCaptureError` if its signature (op,
+shapes, dtypes, 16-byte alignment) was never run on this communicator outside a capture, or if it runs
+on another stream than the communicator's earlier calls in this guard. Outside a guard nothing is
+checked; the bookkeeping (one set insertion per call) always runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Iterable, Sequence
+
+import torch
+
+from .errors import TpcommError
+
+
+class GraphCaptureError(TpcommError):
+    """A tpcomm call inside a CUDA-graph capture that cannot be captured safely (see :func:`capture_guard`)."""
+
+
+#: communicator -> signatures of the calls it ran outside a capture (see ``tpcomm.ops._signature``)
+_WARMED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+_LOCAL = threading.local()
+
+
+def _guards() -> list:
+    if not hasattr(_LOCAL, "guards"):
+        _LOCAL.guards = []
+    return _LOCAL.guards
+
+
+def _capturing(comm) -> bool:
+    return comm.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def warmed(comm) -> frozenset:
+    """Signatures of the calls ``comm`` ran through :mod:`tpcomm.ops` outside a capture."""
+    return frozenset(_WARMED.get(comm, ()))
+
+
+def before_call(comm, signature: tuple) -> None:
+    """Called by every op of :mod:`tpcomm.ops` before it runs: outside a capture, records
+    ``signature`` as warmed for ``comm``; during a capture inside :func:`capture_guard`, checks it.
+
+    Raises:
+        GraphCaptureError: during a guarded capture, the signature was never run before on ``comm``,
+            or ``comm`` is called from a second stream.
+    """
+    if not _capturing(comm):
+        _WARMED.setdefault(comm, set()).add(signature)
+        return
+    guards = _guards()
+    if guards:
+        guards[-1].check(comm, signature)
+
+
+class _Guard:
+    def __init__(self, comms: Sequence):
+        self.comms = list(comms)
+        self.streams: dict[int, tuple[int, object]] = {}  # id(comm) -> (stream handle, comm)
+
+    def check(self, comm, signature: tuple) -> None:
+        op = signature[0]
+        if signature not in _WARMED.get(comm, ()):
+            shapes = ", ".join("None" if s is None else f"{tuple(s[0])} {str(s[1]).replace('torch.', '')}"
+                               + ("" if s[2] else " (not 16-byte aligned)") for s in signature[1:])
+            raise GraphCaptureError(
+                f"{op}: first call of this signature ({shapes}) on {comm!r} happens during CUDA-graph "
+                "capture, so its Triton kernels would be compiled and loaded inside the capture. Run the "
+                "same call once before capturing (tpcomm.graphs.warmup, or one eager forward per "
+                "captured shape).")
+        stream = torch.cuda.current_stream(comm.device).cuda_stream
+        seen = self.streams.setdefault(id(comm), (stream, comm))[0]
+        if seen != stream:
+            raise GraphCaptureError(
+                f"{op}: {comm!r} is called from a second stream (0x{stream:x}, earlier 0x{seen:x}) during "
+                "capture; call each communicator from the capturing stream only (no side streams).")
+
+
+@contextmanager
+def capture_guard(*comms):
+    """Check that CUDA-graph captures inside the block use ``comms`` safely. Enter it before capture
+    begins (it may hold several ``torch.cuda.graph`` blocks that capture on the same stream, which
+    ``torch.cuda.graph``'s default capture stream is).
+
+    On entry, for each communicator: it must be open, and the device is synchronised and
+    ``comm.check()`` run, so a peer timeout of the warm-up is reported now rather than from inside a
+    graph. Inside, every call through :mod:`tpcomm.ops` made during capture must have been run once
+    before on that communicator with the same signature, and all calls of one communicator must come
+    from one stream (:func:`before_call`). On a normal exit ``comm.check()`` runs again.
+
+    Args:
+        comms: the :class:`tpcomm.Communicator` objects the captured code uses (at least one).
+    Raises:
+        ValueError: no communicator given, or one is closed.
+        TypeError: an argument is not a Communicator.
+        GraphCaptureError: entered while the current stream is already capturing (on entry), or a call
+            during capture fails the checks above.
+        PeerTimeoutError: a communicator recorded a peer timeout before the block or inside it.
+    """
+    from .communicator import Communicator
+
+    if not comms:
+        raise ValueError("capture_guard: pass the communicators the captured code uses")
+    for i, comm in enumerate(comms):
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"capture_guard: comms[{i}] must be a tpcomm.Communicator, got {type(comm).__name__}")
+        if getattr(comm, "_closed", False):
+            raise ValueError(f"capture_guard: comms[{i}] ({comm!r}) is closed")
+        if _capturing(comm):
+            raise GraphCaptureError("capture_guard: the current stream is already capturing; enter the guard "
+                                    "before capture begins")
+    for comm in comms:
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        comm.check("capture_guard")
+    guard = _Guard(comms)
+    guards = _guards()
+    guards.append(guard)
+    try:
+        yield guard
+    finally:
+        guards.remove(guard)
+    for comm in comms:
+        comm.check("capture_guard")
+
+
+def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+           ops: Iterable[str] = ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm"),
+           weight_dtype: torch.dtype | None = None, gemma: bool = False) -> int:
+    """Run each op once for each shape and dtype, eagerly through :mod:`tpcomm.ops`, so that every
+    Triton kernel those calls need is compiled and loaded, and :func:`capture_guard` accepts them.
+
+    Collective: every rank of the group calls it with the same arguments. The inputs are zeros (the
+    results are discarded); the device is synchronised and ``comm.check()`` run at the end.
+
+    Args:
+        comm: the :class:`tpcomm.Communicator`.
+        shapes: ``(T, H)`` shapes (any shape for ``all_reduce``; ``(..., H)`` for the fused ops).
+        dtypes: activation dtypes (default bf16).
+        ops: any of ``"all_reduce"``, ``"fused_add_rmsnorm"`` (with a residual) and ``"fused_rmsnorm"``
+            (without one).
+        weight_dtype: dtype of the norm weight (default: the activation dtype).
+        gemma: warm up the Gemma form of the fused ops instead (its kernels differ).
+    Returns:
+        The number of calls made.
+    Raises:
+        ValueError: an unknown op name or an empty shape.
+        As the ops themselves for bad shapes or dtypes.
+    """
+    from . import ops as tops
+
+    ops = tuple(ops)
+    bad = [o for o in ops if o not in ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm")]
+    if bad:
+        raise ValueError(f"warmup: unknown ops {bad}; expected all_reduce, fused_add_rmsnorm, fused_rmsnorm")
+    calls = 0
+    for shape in shapes:
+        shape = tuple(int(s) for s in shape)
+        if not shape:
+            raise ValueError("warmup: shapes must have at least one dimension, got ()")
+        for dtype in dtypes:
+            x = torch.zeros(shape, dtype=dtype, device=comm.device)
+            w = torch.ones(shape[-1], dtype=weight_dtype or dtype, device=comm.device)
+            for op in ops:
+                if op == "all_reduce":
+                    tops.all_reduce(comm, x)
+                else:
+                    tops.fused_add_rmsnorm(comm, x, x if op == "fused_add_rmsnorm" else None, w, gemma=gemma)
+                calls += 1
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize(comm.device)
+    comm.check("warmup")
+    return calls

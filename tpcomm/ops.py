@@ -1,0 +1,225 @@
+"""``torch.library`` custom ops, so ``torch.compile`` and CUDA graphs see each tpcomm call as one opaque op.
+
+Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see below)::
+
+    torch.ops.tpcomm.all_reduce(handle, x) -> Tensor                     # new tensor, x's shape
+    torch.ops.tpcomm.all_reduce_out(handle, x, out) -> ()                # writes out (out may be x)
+    torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual?, weight, eps, gemma) -> Tensor[]
+        # [out, residual_out] with a residual, [out] without one
+
+Each op runs the :class:`~tpcomm.Communicator` method of the same name; it has a fake (meta)
+implementation that gives the output's shape, dtype, device and strides without running anything, so
+``torch.compile(fullgraph=True)`` traces a model that calls them without graph breaks, and the compiled
+model runs the very same kernels as eager mode (the same bits). Only ``all_reduce_out`` mutates an
+argument (``out``, declared in ``mutates_args``); every other output is a new tensor that aliases no
+input.
+
+Why a handle: an op's arguments are tensors and plain values, not a Python object, so communicators
+live in a registry of this module. :func:`register` gives each communicator an ``int`` handle, once
+(calling it again returns the same one); the registry holds communicators weakly, and handles are never
+reused, so a compiled graph that outlives its communicator raises instead of talking to another one.
+The wrappers here (:func:`all_reduce`, :func:`fused_add_rmsnorm`) take the communicator itself and look
+its handle up in a way ``torch.compile`` folds into a constant (registering it on first use, also while
+tracing), guarded on the communicator object: a model holding another communicator recompiles.
+
+In a model::
+
+    import tpcomm.ops as tops
+    y = tops.all_reduce(comm, x)                                       # eager or compiled alike
+    out, residual = tops.fused_add_rmsnorm(comm, x, residual, weight, eps=1e-6)
+
+Inference only: the ops have no autograd formula (run under ``torch.inference_mode()`` /
+``torch.no_grad()``, or with parameters that do not require grad). Inputs are validated by the
+communicator when the op runs (the fake implementations only compute shapes), so a bad input raises the
+communicator's ``ValueError`` / ``TypeError`` at run time, compiled or not. Graph safety (warm-up before
+capture, one stream per communicator) is in :mod:`tpcomm.graphs`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from . import graphs
+
+_LOCK = threading.Lock()
+_NEXT_HANDLE = itertools.count(1)
+#: handle -> communicator (weak: the registry never keeps a communicator alive)
+_COMMS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+#: communicator -> handle
+_HANDLES: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+
+
+# -- registry -------------------------------------------------------------------------------------------
+def register(comm) -> int:
+    """Register ``comm`` for the ops and return its handle (the same handle on every later call).
+
+    Not collective; handles are local to the process (two ranks may hold different handles for their
+    communicators of one group). The registry holds ``comm`` weakly; handles start at 1 and are never
+    reused.
+
+    Args:
+        comm: a :class:`tpcomm.Communicator`.
+    Returns:
+        The handle, an ``int >= 1``.
+    Raises:
+        TypeError: ``comm`` is not a Communicator.
+    """
+    from .communicator import Communicator
+
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"register: comm must be a tpcomm.Communicator, got {type(comm).__name__}")
+    with _LOCK:
+        handle = _HANDLES.get(comm)
+        if handle is None:
+            handle = next(_NEXT_HANDLE)
+            _HANDLES[comm] = handle
+            _COMMS[handle] = comm
+        return handle
+
+
+def lookup(handle: int):
+    """The communicator registered under ``handle``.
+
+    Raises:
+        TypeError: ``handle`` is not an int.
+        LookupError: no live communicator has this handle (never registered, or garbage-collected).
+    """
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"tpcomm ops: handle must be an int from tpcomm.ops.register, got {type(handle).__name__}")
+    comm = _COMMS.get(handle)
+    if comm is None:
+        raise LookupError(f"tpcomm ops: no communicator is registered under handle {handle} (never registered "
+                          "with tpcomm.ops.register, or garbage-collected since)")
+    return comm
+
+
+@torch.compiler.assume_constant_result
+def _handle_of(comm) -> int:
+    # assume_constant_result: under torch.compile this runs once while tracing (so registering on first
+    # use is no side effect in the graph) and its value becomes a constant, guarded on ``comm``'s
+    # identity. A plain lookup of the weak dictionary inside the traced code was not guarded: a
+    # second model of the same class with another communicator reused the first one's handle
+    # (checked with torch 2.13, tests/test_compile.py::test_compiled_code_follows_the_communicator).
+    return register(comm)
+
+
+def handle_of(comm) -> int:
+    """``comm``'s handle: ``comm`` itself if it is an int handle, else :func:`register` ``(comm)``."""
+    if isinstance(comm, int) and not isinstance(comm, bool):
+        return comm
+    return _handle_of(comm)
+
+
+# -- ops ------------------------------------------------------------------------------------------------
+def _sig(t: torch.Tensor | None):
+    return None if t is None else (tuple(t.shape), t.dtype, t.data_ptr() % 16 == 0)
+
+
+def _signature(op: str, *tensors) -> tuple:
+    """What decides which kernels a call compiles (the key of :func:`tpcomm.graphs.before_call`): the
+    op, and the shape, dtype and 16-byte alignment of each tensor argument (Triton specialises pointers
+    on 16-byte alignment). A new output counts as an aligned tensor of the input's shape and dtype, so
+    ``all_reduce(x)`` and ``all_reduce(x, out=aligned)`` share a signature."""
+    return (op,) + tuple(_sig(t) for t in tensors)
+
+
+# Explicit schemas: ``int handle`` (not the inferred ``SymInt``), so the handle is never traced as a
+# symbolic value and the fake implementations could look it up.
+@torch.library.custom_op("tpcomm::all_reduce", mutates_args=(), schema="(int handle, Tensor x) -> Tensor")
+def _all_reduce_op(handle: int, x: torch.Tensor) -> torch.Tensor:
+    comm = lookup(handle)
+    graphs.before_call(comm, ("all_reduce", _sig(x), (tuple(x.shape), x.dtype, True)))
+    return comm.all_reduce(x)
+
+
+@_all_reduce_op.register_fake
+def _(handle, x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tpcomm::all_reduce_out", mutates_args=("out",),
+                         schema="(int handle, Tensor x, Tensor(a!) out) -> ()")
+def _all_reduce_out_op(handle: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    comm = lookup(handle)
+    graphs.before_call(comm, _signature("all_reduce", x, out))
+    comm.all_reduce(x, out=out)
+
+
+@_all_reduce_out_op.register_fake
+def _(handle, x, out):
+    return None
+
+
+@torch.library.custom_op("tpcomm::fused_add_rmsnorm", mutates_args=(),
+                         schema="(int handle, Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma) "
+                                "-> Tensor[]")
+def _fused_add_rmsnorm_op(handle: int, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                          eps: float, gemma: bool) -> list[torch.Tensor]:
+    comm = lookup(handle)
+    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight))
+    out, residual_out = comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma)
+    return [out] if residual_out is None else [out, residual_out]
+
+
+@_fused_add_rmsnorm_op.register_fake
+def _(handle, x, residual, weight, eps, gemma):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return [out] if residual is None else [out, torch.empty_like(out)]
+
+
+# -- wrappers -------------------------------------------------------------------------------------------
+def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``comm.all_reduce(x, out)`` through the op ``tpcomm::all_reduce`` (or ``all_reduce_out`` with
+    ``out``): the sum of ``x`` over the ranks, same bits as the method, safe under ``torch.compile``
+    (fullgraph) and in CUDA graphs.
+
+    Collective: every rank calls it with the same shape and dtype.
+
+    Args:
+        comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
+        x: any shape; bf16 / fp16 / fp32 (kernels) or an integer dtype (``torch.distributed``).
+        out: optional output of ``x``'s shape and dtype; may be ``x`` itself (in place).
+    Returns:
+        ``out``, or a new contiguous tensor shaped like ``x``.
+    Raises:
+        As :meth:`tpcomm.Communicator.all_reduce` (``TypeError`` / ``ValueError`` naming the argument,
+        ``PeerTimeoutError``); ``LookupError`` for an unknown handle.
+    """
+    handle = handle_of(comm)
+    if out is None:
+        return torch.ops.tpcomm.all_reduce(handle, x)
+    torch.ops.tpcomm.all_reduce_out(handle, x, out)
+    return out
+
+
+def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float = 1e-6, gemma: bool = False):
+    """``comm.fused_add_rmsnorm(x, residual, weight, eps, gemma)`` through the op
+    ``tpcomm::fused_add_rmsnorm``: all-reduce ``x``, add ``residual``, RMSNorm, in one kernel.
+
+    Plain torch: ``s = all_reduce(x); residual_out = s + residual; out = rms_norm(residual_out, w, eps)``
+    (``w`` replaced by ``1 + w`` when ``gemma``), with the numerics contract of the README.
+
+    Collective: every rank calls it with the same shapes, dtypes, ``eps`` and ``gemma``.
+
+    Args:
+        comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
+        x: ``(T, H)`` (or ``(..., H)``), bf16 / fp16 / fp32.
+        residual: like ``x``, or None (then ``s`` itself is normalised).
+        weight: ``(H,)``, a float dtype.
+        eps: >= 0, added to the mean square (default 1e-6, the Communicator's default).
+        gemma: use ``1 + w`` (Gemma-style norms).
+    Returns:
+        ``(out, residual_out)``, new tensors shaped like ``x``; ``residual_out`` is None without a residual.
+    Raises:
+        As :meth:`tpcomm.Communicator.fused_add_rmsnorm`; ``LookupError`` for an unknown handle.
+    """
+    outs = torch.ops.tpcomm.fused_add_rmsnorm(handle_of(comm), x, residual, weight, eps, gemma)
+    if residual is None:
+        return outs[0], None
+    return outs[0], outs[1]
