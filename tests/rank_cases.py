@@ -166,17 +166,22 @@ def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op, algo=None):
         nbytes, hidden = x.numel() * x.element_size(), H
     else:
         call = lambda c: (c.all_reduce(x), None)  # noqa: E731
-        nbytes, hidden = x.numel() * x.element_size(), min(x.numel(), dispatch.ALL_REDUCE_ROW)
+        nbytes, hidden = x.numel() * x.element_size(), small._all_reduce_width(x.numel(), x.element_size())
     before = small.workspace.epoch()
     chunked = call(small)
     launches = small.workspace.epoch() - before
     one = call(whole)
     ws = small.workspace
     plan = small.plan(op, nbytes, hidden, dtype).algorithm
-    lamport = plan == "lamport" and ws.lamport_rows_per_launch(hidden, x.element_size()) >= 1
+    es = x.element_size()
+    rows = -(-x.numel() // hidden)
+    if plan == "two_shot":  # launches carry up to share_rows_per_launch rows of every share
+        per, local_rows = ws.share_rows_per_launch(hidden, es), -(-rows // ctx.world_size)
+    else:
+        lamport = plan == "lamport" and ws.lamport_rows_per_launch(hidden, es) >= 1
+        per, local_rows = (ws.lamport_rows_per_launch if lamport else ws.rows_per_launch)(hidden, es), rows
     return {"chunked": chunked, "whole": one, "launches": launches,
-            "rows_per_launch": (ws.lamport_rows_per_launch if lamport else ws.rows_per_launch)(
-                hidden, x.element_size()),
+            "rows_per_launch": per, "expected_launches": -(-local_rows // per) if per else None, "rows": rows,
             "plan_small": small.plan(op, nbytes, hidden, dtype).algorithm,
             "plan_whole": whole.plan(op, nbytes, hidden, dtype).algorithm,
             "ref": tpcomm.reduce_in_rank_order(xs)}

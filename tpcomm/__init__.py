@@ -13,13 +13,13 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .communicator import Communicator  # noqa: E402
-from .errors import PeerTimeoutError, TpcommError  # noqa: E402
+from .errors import PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
 from .reference import (add_rmsnorm_reference, all_reduce_reference,  # noqa: E402
                         fused_add_rmsnorm_reference, reduce_in_rank_order)
 from .quant import per_group_quant_fp8, per_token_quant_fp8  # noqa: E402
 from .reference import per_group_quant_reference, per_token_quant_reference  # noqa: E402
 
-__all__ = ["Communicator", "PeerTimeoutError", "TpcommError", "add_rmsnorm_reference",
+__all__ = ["Communicator", "PeerMismatchError", "PeerTimeoutError", "TpcommError", "add_rmsnorm_reference",
            "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
 __all__ += ["per_group_quant_fp8", "per_token_quant_fp8", "per_group_quant_reference",
             "per_token_quant_reference"]

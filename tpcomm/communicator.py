@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
 
 from . import dispatch, reference
 from .env import interpreter_enabled, read_env
-from .errors import PeerTimeoutError
+from .errors import PeerMismatchError, PeerTimeoutError
+from .kernels.sync import MISMATCH_CODE, call_signature
 from .workspace import Workspace
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
@@ -18,6 +21,12 @@ DEFAULT_MAX_BYTES_CUDA = 32 << 20
 DEFAULT_MAX_BYTES_CPU = 1 << 20
 #: Kernels index a launch's elements with int32: one launch stays under 2**31 elements.
 MAX_MAX_BYTES = 1 << 30
+#: Two-shot and all-gather index the whole tensor (two-shot's shares span it): larger ones use one-shot
+#: chunks (all-reduce) or the fallback (all-gather, reduce-scatter).
+MAX_INDEXED_ELEMS = (1 << 31) - 1
+#: Rows narrower than this many elements make reduce-scatter's kernel mostly idle lanes: the fallback
+#: (an all-gather and a rank-order sum) is used instead.
+MIN_SCATTER_ROW = 16
 
 
 class Communicator:
@@ -73,11 +82,36 @@ class Communicator:
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"Communicator: timeout_s must be positive and finite, got {timeout_s}")
         self.max_bytes = max_bytes
+        self.algorithm = self.env.algo
         self.workspace: Workspace | None = None
+        self._lock = threading.Lock()
+        self._last_stream = None
+        self.table = self._load_table()
         self.fallback_reason = self._set_up()
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------------
+    def _load_table(self) -> dispatch.CrossoverTable:
+        """Rank 0's crossover table (``TPCOMM_DISPATCH_TABLE``, else the defaults), on every rank. Collective.
+
+        Raises:
+            ValueError: rank 0's file cannot be read or is not a table (raised on every rank).
+        """
+        text, error = None, None
+        if self.rank == 0 and self.env.table:
+            try:
+                with open(self.env.table) as f:
+                    text = f.read()
+                dispatch.CrossoverTable.from_json(text)
+            except (OSError, ValueError) as e:
+                error = f"TPCOMM_DISPATCH_TABLE={self.env.table!r} on rank 0: {e}"
+        box = [(text, error)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        text, error = box[0]
+        if error:
+            raise ValueError(f"Communicator: {error}")
+        return dispatch.CrossoverTable.from_json(text) if text else dispatch.DEFAULT_TABLE
+
     def _set_up(self) -> str | None:
         """Create the workspace if every rank can; returns why not (None when it exists). Collective."""
         info = (socket.gethostname(), self._local_programs(), self.max_bytes)
@@ -133,19 +167,17 @@ class Communicator:
             out: optional output of ``x``'s shape, dtype and device; may be ``x`` itself (in place).
         Returns:
             ``out`` (or a new tensor): ``T(+0.0 + f32(x_0) + ... + f32(x_{W-1}))``, the same bits on
-            every rank. Safe in CUDA graphs.
+            every rank and for every algorithm. Safe in CUDA graphs.
         Raises:
             TypeError: ``x`` is not a tensor, or its dtype has no sum (bool, FP8, complex).
             ValueError: ``x`` or ``out`` is on another device, or ``out`` does not match ``x``.
-            PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
+            PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call);
+                :class:`PeerMismatchError` when it made a different call.
         """
         op = "all_reduce"
         self._check_open(op)
         self._check_tensor(op, "x", x)
-        if x.dtype not in dispatch.KERNEL_DTYPES and (x.is_floating_point() or x.is_complex()
-                                                      or x.dtype == torch.bool):
-            raise TypeError(f"{op}: x has dtype {x.dtype}; expected bfloat16, float16, float32 or an "
-                            "integer dtype")
+        self._check_summable(op, x)
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         else:
@@ -187,8 +219,8 @@ class Communicator:
             gemma: use ``1 + w`` (Gemma-style norms).
         Returns:
             ``(out, residual_out)``: new tensors shaped like ``x``; ``residual_out`` is None without a
-            residual. Identical bits on every rank. Safe in CUDA graphs. Messages larger than
-            ``max_bytes`` run in chunks of rows.
+            residual. Identical bits on every rank, for every algorithm. Safe in CUDA graphs. Messages
+            larger than ``max_bytes`` run in chunks of rows.
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
             ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device, or
@@ -225,8 +257,6 @@ class Communicator:
         residual_out = torch.empty_like(out) if residual is not None else None
         if x.numel() == 0:
             return out, residual_out
-        if H == 0:
-            return out, residual_out
         T = x.numel() // H
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
         if plan.algorithm == "fallback":
@@ -241,49 +271,219 @@ class Communicator:
                        weight.contiguous(), T, H, eps, norm=True, gemma=gemma)
         return out, residual_out
 
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim``, in rank order.
+
+        Collective: every rank calls it with the same shape and dtype (a peer with another shape is
+        detected: :class:`PeerMismatchError`).
+
+        Args:
+            x: any shape with at least one dimension, any dtype (bf16 / fp16 / fp32 run the kernel; other
+                dtypes go through ``torch.distributed``, also bit-exact), this device.
+            dim: the dimension to concatenate along (negative counts from the end).
+        Returns:
+            A new tensor: ``x``'s shape with ``dim`` multiplied by the world size; the slice of rank
+            ``q`` holds ``x_q`` bit for bit. Safe in CUDA graphs.
+        Raises:
+            TypeError: ``x`` is not a tensor.
+            ValueError: ``x`` is on another device or a scalar, or ``dim`` is out of range.
+            PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
+        """
+        op = "all_gather"
+        self._check_open(op)
+        self._check_tensor(op, "x", x)
+        dim = self._check_dim(op, x, dim)
+        W = self.world_size
+        if dim != 0:
+            y = x.movedim(dim, 0)  # (S, *pre, *post)
+            g = self.all_gather(y, 0).view(W, *y.shape).movedim((0, 1), (dim, dim + 1))
+            return g.reshape(*x.shape[:dim], W * x.shape[dim], *x.shape[dim + 1:])
+        n = x.numel()
+        out = torch.empty((W * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        if n == 0:
+            return out
+        plan = self.plan(op, n * x.element_size(), n, x.dtype)
+        if plan.algorithm != "fallback" and W * n > MAX_INDEXED_ELEMS:
+            plan = dispatch.Plan("fallback", "output of 2**31 elements or more")
+        if plan.algorithm == "fallback":
+            out.copy_(reference.all_gather_reference(x, self.group))
+            return out
+        from .kernels.gather import all_gather
+
+        src, dst = x.contiguous().view(-1), out.view(-1)
+        width = self._all_reduce_width(n, x.element_size())
+        cfg = dispatch.row_config(width, self.workspace.max_programs)
+        n_rows = -(-n // width)
+        per_launch = self.workspace.rows_per_launch(width, x.element_size())
+        with self._launching(op):
+            for r0 in range(0, n_rows, per_launch):
+                r1 = min(n_rows, r0 + per_launch)
+                a, b = r0 * width, min(n, r1 * width)
+                sig = call_signature(op, "push", str(x.dtype), n, r0, r1, width)
+                all_gather(src[a:b], dst[a:], n, self.workspace, r1 - r0, width, cfg, sig)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum ``x`` over the ranks and return this rank's share along ``dim``.
+
+        Shares are cut as ``torch.tensor_split(sum, world_size, dim)`` cuts them: when the size of
+        ``dim`` (``T``) is not divisible by the world size, the first ``T % W`` ranks get one row more
+        and the last ranks may get none (an empty tensor).
+
+        Collective: every rank calls it with the same shape and dtype.
+
+        Args:
+            x: at least one dimension; bf16 / fp16 / fp32 (kernels) or an integer dtype
+                (``torch.distributed``), this device.
+            dim: the dimension to scatter along (negative counts from the end).
+        Returns:
+            A new tensor: rank ``r``'s share of ``T(+0.0 + f32(x_0) + ... + f32(x_{W-1}))``, the same bits
+            as the matching rows of :meth:`all_reduce`. Safe in CUDA graphs.
+        Raises:
+            TypeError: ``x`` is not a tensor, or its dtype has no sum (bool, FP8, complex).
+            ValueError: ``x`` is on another device or a scalar, or ``dim`` is out of range.
+            PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
+        """
+        op = "reduce_scatter"
+        self._check_open(op)
+        self._check_tensor(op, "x", x)
+        self._check_summable(op, x)
+        dim = self._check_dim(op, x, dim)
+        if dim != 0:
+            return self.reduce_scatter(x.movedim(dim, 0), 0).movedim(0, dim).contiguous()
+        T, W = x.shape[0], self.world_size
+        start, length = reference.share_bounds(T, W, self.rank)
+        out = torch.empty((length, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        if x.numel() == 0:
+            return out
+        H = x.numel() // T
+        plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
+        if plan.algorithm != "fallback" and (H < MIN_SCATTER_ROW or x.numel() > MAX_INDEXED_ELEMS):
+            plan = dispatch.Plan("fallback", f"rows of {H} elements" if H < MIN_SCATTER_ROW
+                                 else "2**31 elements or more")
+        if plan.algorithm == "fallback":
+            out.copy_(reference.reduce_scatter_reference(x, self.group))
+            return out
+        self._run_two_shot(op, x.contiguous().view(-1), out.view(-1), None, None, None, T, H, 0.0,
+                           norm=False, gemma=False, scatter_only=True)
+        return out
+
+    @contextlib.contextmanager
+    def use_algorithm(self, algorithm: str):
+        """Force ``algorithm`` (``auto``, ``lamport``, ``one_shot``, ``two_shot`` or ``fallback``) for the
+        calls inside the ``with`` block, as ``TPCOMM_ALGO`` does for a whole communicator. Every rank
+        must force the same algorithm for the same calls (it is part of the call). For tests, tuning and
+        benchmarks.
+
+        Raises:
+            ValueError: ``algorithm`` is not one of the choices.
+        """
+        from .env import ALGO_CHOICES
+
+        if algorithm not in ALGO_CHOICES:
+            raise ValueError(f"use_algorithm: algorithm must be one of {ALGO_CHOICES}, got {algorithm!r}")
+        before, self.algorithm = self.algorithm, algorithm
+        try:
+            yield self
+        finally:
+            self.algorithm = before
+
     # -- plans and launches -------------------------------------------------------------------------
     def _all_reduce_width(self, n: int, element_size: int) -> int:
-        """Row width of a plain all-reduce of ``n`` elements: ``ALL_REDUCE_ROW``, or less so that one
-        row fits a slot of a small workspace (then the call runs in chunks instead of falling back)."""
+        """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``, or less
+        so that one row fits a slot of a small workspace (then the call runs in chunks instead of
+        falling back)."""
         width = max(1, min(n, dispatch.ALL_REDUCE_ROW))
         if self.workspace is not None:
-            width = min(width, max(16, self.workspace.slot_elems(element_size) // 16 * 16))
+            width = min(width, max(16, self.workspace.half_slot_elems(element_size) // 16 * 16))
         return width
 
     def plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
         """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank).
 
-        ``hidden`` is the row width of ``fused_add_rmsnorm``; for ``all_reduce`` it is ignored (the
-        width is derived from ``nbytes``, see ``_all_reduce_width``).
+        ``hidden`` is the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for
+        ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
+        ``_all_reduce_width``).
         """
-        if op == "all_reduce":
-            hidden = self._all_reduce_width(nbytes // _elsize(dtype), _elsize(dtype))
-        plan = dispatch.choose(op, self.world_size, nbytes, hidden, dtype, self.env.algo,
-                               kernels_available=self.workspace is not None)
-        if plan.algorithm != "fallback" and self.workspace.rows_per_launch(hidden, _elsize(dtype)) < 1:
+        es = _elsize(dtype)
+        if op in ("all_reduce", "all_gather"):
+            hidden = self._all_reduce_width(max(1, nbytes // es), es)
+        plan = dispatch.choose(op, self.world_size, nbytes, hidden, dtype, self.algorithm,
+                               kernels_available=self.workspace is not None, table=self.table)
+        if plan.algorithm == "fallback":
+            return plan
+        ws = self.workspace
+        if plan.algorithm == "two_shot" and (ws.share_rows_per_launch(hidden, es) < 1
+                                             or nbytes // es > MAX_INDEXED_ELEMS):
+            if op == "reduce_scatter":
+                why = (f"a row of {hidden} elements exceeds half of max_bytes"
+                       if ws.share_rows_per_launch(hidden, es) < 1 else "2**31 elements or more")
+                return dispatch.Plan("fallback", why)
+            plan = dispatch.Plan("one_shot", "two-shot cannot carry this message; " + plan.reason)
+        if ws.rows_per_launch(hidden, es) < 1:
             return dispatch.Plan("fallback", f"a row of {hidden} elements exceeds max_bytes")
         return plan
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma):
+        if plan.algorithm == "two_shot":
+            self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma)
+            return
         from .kernels.lamport import lamport
         from .kernels.one_shot import one_shot
 
         ws = self.workspace
-        self.check(op)
         cfg = dispatch.row_config(H, ws.max_programs)
-        if plan.algorithm == "lamport" and ws.lamport_rows_per_launch(H, x.element_size()) >= 1:
-            launch_rows, per_launch = lamport, ws.lamport_rows_per_launch(H, x.element_size())
-        else:
-            launch_rows, per_launch = one_shot, ws.rows_per_launch(H, x.element_size())
+        es = x.element_size()
+        lamport_rows = ws.lamport_rows_per_launch(H, es)
+        use_lamport = plan.algorithm == "lamport" and lamport_rows >= 1
+        per_launch = lamport_rows if use_lamport else ws.rows_per_launch(H, es)
         numel = x.numel()
-        for r0 in range(0, n_rows, per_launch):
-            r1 = min(n_rows, r0 + per_launch)
-            a, b = r0 * H, min(numel, r1 * H)
-            launch_rows(x[a:b], out[a:b],
-                     residual[a:b] if residual is not None else None,
-                     residual_out[a:b] if residual_out is not None else None,
-                     weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
-        self.check(op)
+        with self._launching(op):
+            for r0 in range(0, n_rows, per_launch):
+                r1 = min(n_rows, r0 + per_launch)
+                a, b = r0 * H, min(numel, r1 * H)
+                args = (x[a:b], out[a:b],
+                        residual[a:b] if residual is not None else None,
+                        residual_out[a:b] if residual_out is not None else None,
+                        weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
+                if use_lamport:
+                    lamport(*args)
+                else:
+                    one_shot(*args, call_signature(op, "one_shot", str(x.dtype), numel, r0, r1, H, norm,
+                                                   residual is not None, gemma))
+
+    def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
+                      scatter_only=False):
+        from .kernels.two_shot import two_shot
+
+        ws = self.workspace
+        cfg = dispatch.row_config(H, ws.max_programs)
+        per_launch = ws.share_rows_per_launch(H, x.element_size())
+        longest = -(-n_rows // self.world_size)
+        with self._launching(op):
+            for j0 in range(0, longest, per_launch):
+                n_local = min(per_launch, longest - j0)
+                sig = call_signature(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
+                                     residual is not None, gemma)
+                two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
+                         gemma, sig, scatter_only)
+
+    @contextlib.contextmanager
+    def _launching(self, op: str):
+        """Around a call's launches: raise a recorded error first and after; one call at a time (a lock);
+        and on CUDA, order this call after the previous one when it was issued on another stream."""
+        with self._lock:
+            self.check(op)
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                last = self._last_stream
+                if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
+                    # The previous call's kernels share the epoch and the buffers with this one: they must
+                    # not run at the same time. Work queued on `last` so far includes that call.
+                    stream.wait_stream(last)
+                self._last_stream = stream
+            yield
+            self.check(op)
 
     # -- errors, life cycle -------------------------------------------------------------------------
     def check(self, op: str = "check") -> None:
@@ -295,12 +495,28 @@ class Communicator:
         if self.workspace is None:
             return
         code, peer, epoch, program = self.workspace.read_error()
+        if code == MISMATCH_CODE:
+            raise PeerMismatchError(op, self.rank, peer, epoch, program, self.timeout_s)
         if code:
             raise PeerTimeoutError(op, self.rank, peer, epoch, program, self.timeout_s)
 
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise RuntimeError(f"{op}: this Communicator is closed")
+
+    def _check_summable(self, op: str, x: torch.Tensor) -> None:
+        if x.dtype not in dispatch.KERNEL_DTYPES and (x.is_floating_point() or x.is_complex()
+                                                      or x.dtype == torch.bool):
+            raise TypeError(f"{op}: x has dtype {x.dtype}; expected bfloat16, float16, float32 or an "
+                            "integer dtype")
+
+    def _check_dim(self, op: str, x: torch.Tensor, dim) -> int:
+        if x.dim() < 1:
+            raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+            raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                             f"{tuple(x.shape)}, got {dim!r}")
+        return dim % x.dim()
 
     def _check_tensor(self, op: str, name: str, t) -> None:
         if not isinstance(t, torch.Tensor):

@@ -4,13 +4,17 @@ Inputs are only ``(op, world_size, nbytes, hidden, dtype)`` and settings every r
 environment override and the grid cap agreed at set-up), never the rank or a timing, so every rank makes
 the same choice and no rank ever waits for a kernel its peer did not launch.
 
-Algorithms: ``lamport`` (16-bit inputs up to ``LAMPORT_MAX_BYTES``), ``one_shot`` (everything else,
-chunked through the workspace) and ``fallback`` (``torch.distributed``).
+Algorithms of the all-reduce and the fused all-reduce + residual + RMSNorm: ``lamport`` (16-bit inputs
+up to a threshold), ``one_shot``, ``two_shot`` (from a threshold up) and ``fallback``
+(``torch.distributed``). All-gather runs ``push``, reduce-scatter ``two_shot`` (its first half). The
+thresholds come from a :class:`CrossoverTable`: ``DEFAULT_TABLE`` (measured on 2 H200s, sources below) or
+one written by ``tpcomm tune`` on the current machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -21,8 +25,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Source: 2 H200s, hidden 6144 bf16, CUDA graph (docs/benchmarks.md, "Lamport against one-shot").
 LAMPORT_MAX_BYTES = 4 << 20
 
-#: Algorithms ``TPCOMM_ALGO`` may force.
-ALGORITHMS = ("lamport", "one_shot")
+#: Algorithms ``TPCOMM_ALGO`` may force for the all-reduce and the fused op.
+ALGORITHMS = ("lamport", "one_shot", "two_shot")
+
+#: Ops a plan is made for.
+OPS = ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter")
 
 #: Widest tile of a row held at once. 8192 float32 accumulators over 8 warps are 32 registers a thread;
 #: wider rows run in several tiles with a second pass (DESIGN.md; e.g. H = 16384 takes two).
@@ -71,11 +78,87 @@ def row_config(hidden: int, max_programs: int) -> RowConfig:
 
 
 @dataclass(frozen=True)
+class Crossover:
+    """Thresholds, in bytes of one rank's message, of one op at one world size.
+
+    Attributes:
+        lamport_max_bytes: 16-bit messages up to this size run Lamport (capped by the Lamport buffers,
+            ``LAMPORT_MAX_BYTES``); 0 disables Lamport.
+        two_shot_min_bytes: messages of at least this size run two-shot; smaller ones one-shot.
+        source: where the numbers come from (a measurement in ``docs/`` or ``tpcomm tune``'s run).
+    """
+
+    lamport_max_bytes: int
+    two_shot_min_bytes: int
+    source: str = ""
+
+
+@dataclass
+class CrossoverTable:
+    """Crossovers per op and world size; world sizes without an entry use the nearest smaller one.
+
+    ``tpcomm tune`` writes one (``to_json``) and a :class:`~tpcomm.Communicator` loads it
+    (``from_json``; rank 0's file is used by every rank).
+    """
+
+    entries: dict = field(default_factory=dict)  # {op: {world_size: Crossover}}
+    device: str = ""
+
+    def lookup(self, op: str, world_size: int) -> Crossover:
+        """The :class:`Crossover` of ``op`` at ``world_size`` (or the nearest smaller world size)."""
+        by_world = self.entries.get(op) or DEFAULT_TABLE.entries[op]
+        worlds = sorted(w for w in by_world if w <= world_size) or sorted(by_world)
+        return by_world[worlds[-1]]
+
+    def to_json(self) -> str:
+        return json.dumps({"device": self.device,
+                           "entries": {op: {str(w): asdict(c) for w, c in ws.items()}
+                                       for op, ws in self.entries.items()}}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "CrossoverTable":
+        """Parse a table written by :meth:`to_json`.
+
+        Raises:
+            ValueError: the text is not such a table (unknown op, missing or negative thresholds).
+        """
+        try:
+            raw = json.loads(text)
+            entries = {}
+            for op, ws in raw["entries"].items():
+                if op not in OPS:
+                    raise ValueError(f"unknown op {op!r}")
+                entries[op] = {}
+                for w, c in ws.items():
+                    cross = Crossover(int(c["lamport_max_bytes"]), int(c["two_shot_min_bytes"]),
+                                      str(c.get("source", "")))
+                    if cross.lamport_max_bytes < 0 or cross.two_shot_min_bytes < 0 or int(w) < 2:
+                        raise ValueError(f"bad entry {op}/{w}: {c}")
+                    entries[op][int(w)] = cross
+            return CrossoverTable(entries, str(raw.get("device", "")))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not a tpcomm crossover table: {e}") from None
+
+
+#: Defaults, measured on 2 H200s (NV18), hidden 6144, bf16, CUDA graphs (docs/benchmarks.md). Larger
+#: worlds reuse the 2-rank entries until measured (issue 8): one-shot's cost grows with W - 1 and
+#: two-shot's does not, so their crossover can only move down; tpcomm tune measures it.
+DEFAULT_TABLE = CrossoverTable({
+    # Lamport against one-shot: docs/benchmarks.md, "Lamport against one-shot" (Lamport wins up to 4 MiB).
+    "fused_add_rmsnorm": {2: Crossover(4 << 20, 8 << 20, "2xH200, docs/benchmarks.md")},
+    "all_reduce": {2: Crossover(4 << 20, 8 << 20, "2xH200, docs/benchmarks.md")},
+    "all_gather": {2: Crossover(0, 0, "one algorithm (push)")},
+    "reduce_scatter": {2: Crossover(0, 0, "one algorithm (two-shot's scatter)")},
+}, device="2x NVIDIA H200 (defaults)")
+
+
+@dataclass(frozen=True)
 class Plan:
     """What a call runs.
 
     Attributes:
-        algorithm: ``"lamport"``, ``"one_shot"`` or ``"fallback"`` (``torch.distributed``).
+        algorithm: ``"lamport"``, ``"one_shot"``, ``"two_shot"``, ``"push"`` (all-gather) or
+            ``"fallback"`` (``torch.distributed``).
         reason: why, for ``tpcomm check`` and error messages.
     """
 
@@ -84,20 +167,25 @@ class Plan:
 
 
 def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtype,
-           forced: str = "auto", kernels_available: bool = True) -> Plan:
+           forced: str = "auto", kernels_available: bool = True,
+           table: CrossoverTable | None = None) -> Plan:
     """Pick the algorithm for one call.
 
     Args:
-        op: ``"all_reduce"`` or ``"fused_add_rmsnorm"``.
+        op: one of ``OPS``.
         world_size: ranks in the group.
         nbytes: bytes of one rank's input.
         hidden: elements per row (the flat width for a plain all-reduce).
         dtype: the input dtype.
-        forced: ``TPCOMM_ALGO`` (``auto``, ``lamport``, ``one_shot``, ``fallback``). A forced
-            ``lamport`` on a 32-bit input runs ``one_shot`` (the only kernel for it).
+        forced: ``TPCOMM_ALGO`` (``auto``, ``lamport``, ``one_shot``, ``two_shot``, ``fallback``). A
+            forced ``lamport`` on a 32-bit input runs ``one_shot`` (the only one-step kernel for it).
+            All-gather and reduce-scatter have one kernel each and honour only ``fallback``.
         kernels_available: False when the group cannot use the workspace (set-up decided it on every
             rank together).
+        table: the crossovers (default ``DEFAULT_TABLE``).
     """
+    if op not in OPS:
+        raise ValueError(f"choose: op must be one of {OPS}, got {op!r}")
     if not kernels_available:
         return Plan("fallback", "no workspace for this group")
     if dtype not in KERNEL_DTYPES:
@@ -106,11 +194,19 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         return Plan("fallback", "a group of one rank needs no communication")
     if forced == "fallback":
         return Plan("fallback", "TPCOMM_ALGO=fallback")
+    if op == "all_gather":
+        return Plan("push", "the only all-gather kernel")
+    if op == "reduce_scatter":
+        return Plan("two_shot", "the only reduce-scatter kernel (two-shot's first half)")
     lamport_ok = dtype in (torch.bfloat16, torch.float16)
-    if forced == "one_shot":
-        return Plan("one_shot", "TPCOMM_ALGO=one_shot")
-    if forced == "lamport" and lamport_ok:
-        return Plan("lamport", "TPCOMM_ALGO=lamport")
-    if lamport_ok and nbytes <= LAMPORT_MAX_BYTES:
-        return Plan("lamport", f"16-bit message of at most {LAMPORT_MAX_BYTES} bytes")
-    return Plan("one_shot", "one-shot push")
+    if forced in ("one_shot", "two_shot"):
+        return Plan(forced, f"TPCOMM_ALGO={forced}")
+    if forced == "lamport":
+        return Plan("lamport", "TPCOMM_ALGO=lamport") if lamport_ok else \
+            Plan("one_shot", "TPCOMM_ALGO=lamport, but Lamport needs a 16-bit dtype")
+    cross = (table or DEFAULT_TABLE).lookup(op, world_size)
+    if lamport_ok and nbytes <= min(cross.lamport_max_bytes, LAMPORT_MAX_BYTES):
+        return Plan("lamport", f"16-bit message of at most {cross.lamport_max_bytes} bytes ({cross.source})")
+    if nbytes >= cross.two_shot_min_bytes:
+        return Plan("two_shot", f"message of at least {cross.two_shot_min_bytes} bytes ({cross.source})")
+    return Plan("one_shot", f"message under {cross.two_shot_min_bytes} bytes ({cross.source})")

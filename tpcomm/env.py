@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 #: Algorithms a user may force with ``TPCOMM_ALGO``.
-ALGO_CHOICES = ("auto", "lamport", "one_shot", "fallback")
+ALGO_CHOICES = ("auto", "lamport", "one_shot", "two_shot", "fallback")
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,9 @@ class EnvConfig:
 
     Attributes:
         algo: ``TPCOMM_ALGO``: ``auto`` (default: the dispatch table decides), ``lamport``,
-            ``one_shot`` or ``fallback`` (always ``torch.distributed``).
+            ``one_shot``, ``two_shot`` or ``fallback`` (always ``torch.distributed``).
+        table: ``TPCOMM_DISPATCH_TABLE``: path of a crossover table written by ``tpcomm tune`` (rank 0's
+            file is used by every rank); unset: the built-in defaults.
         timeout_s: ``TPCOMM_TIMEOUT_S``: seconds a kernel waits for a peer before it gives up and the
             communicator raises :class:`~tpcomm.errors.PeerTimeoutError` (default 30).
         max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: twice the
@@ -27,6 +29,7 @@ class EnvConfig:
     """
 
     algo: str = "auto"
+    table: str | None = None
     timeout_s: float = 30.0
     max_programs: int | None = None
 
@@ -54,7 +57,8 @@ def read_env() -> EnvConfig:
         raise ValueError(f"TPCOMM_MAX_PROGRAMS={mp!r}: expected an integer >= 1") from None
     if max_programs is not None and max_programs < 1:
         raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer >= 1")
-    return EnvConfig(algo=algo, timeout_s=timeout_s, max_programs=max_programs)
+    table = os.environ.get("TPCOMM_DISPATCH_TABLE") or None
+    return EnvConfig(algo=algo, table=table, timeout_s=timeout_s, max_programs=max_programs)
 
 
 def interpreter_enabled() -> bool:

@@ -29,3 +29,22 @@ class PeerTimeoutError(TpcommError):
             f"(program {program}); rank {peer} skipped the call, called another op or size, or is stuck. "
             "This communicator is unusable now; create a new one."
         )
+
+
+class PeerMismatchError(PeerTimeoutError):
+    """A peer arrived at the same epoch with a different call: another op, size, dtype or algorithm.
+
+    Raised like :class:`PeerTimeoutError` (a subclass, so code that catches that catches this too), at
+    once rather than after the timeout, on every rank that saw the other's flags. The kernels that
+    detected it did not read the peer's data; the outputs of that call are undefined. The communicator is
+    unusable afterwards; create a new one.
+    """
+
+    def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
+        self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
+        TpcommError.__init__(
+            self,
+            f"{op}: rank {peer} made a different call at epoch {epoch} (another op, shape, dtype or "
+            f"algorithm; seen by rank {rank}, program {program}). Every rank must make the same calls in "
+            "the same order. This communicator is unusable now; create a new one."
+        )

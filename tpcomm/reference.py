@@ -90,6 +90,31 @@ def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, 
     return add_rmsnorm_reference(all_reduce_reference(x, group), residual, weight, eps, gemma)
 
 
+def share_bounds(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s share of ``n_rows`` rows, as ``torch.tensor_split`` cuts
+    them: the first ``n_rows % world_size`` shares have one row more (shares may be empty)."""
+    base, extra = divmod(n_rows, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def all_gather_reference(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0 in rank order (``(W * T, ...)``), through
+    ``torch.distributed`` (the fallback). Collective: every rank passes the same shape and dtype."""
+    world = dist.get_world_size(group)
+    flat = x.contiguous().reshape(-1)
+    gathered = torch.empty(world * flat.numel(), dtype=x.dtype, device=x.device)
+    _all_gather_flat(gathered, flat, group=group)
+    return gathered.view(world * x.shape[0], *x.shape[1:])
+
+
+def reduce_scatter_reference(x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's share (:func:`share_bounds`) of the rank-order sum of every rank's ``x`` along dim 0,
+    through ``torch.distributed`` (the fallback): float inputs are gathered and summed in float32 in rank
+    order, integer inputs go through ``dist.all_reduce``. Collective."""
+    start, length = share_bounds(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
+    return all_reduce_reference(x, group)[start:start + length].clone()
+
+
 #: FP8 NaN byte the quantisation gives for every NaN (torch keeps the sign: 0xFF for -NaN in e4m3fn).
 _FP8_NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80}
 #: float32 NaN (0x7FC00000) the scale of a row or group holding a NaN has.

@@ -2,7 +2,7 @@
 
 Every rank holds one buffer of the same size, mapped by every other rank of the group:
 
-    [ signal pad: int32 flags [2 parities][max_programs][world_size], padded to 256 bytes ]
+    [ signal pad: int64 flags [2 parities][2 phases][max_programs][world_size], padded to 256 bytes ]
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
     [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
 
@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 _ALIGN = 256
+#: Flag exchanges per launch (kernels/sync.py): two-shot signals after its scatter and its gather.
+PHASES = 2
 
 
 def _round_up(n: int, m: int) -> int:
@@ -45,7 +47,7 @@ class Workspace:
         device: ``torch.device`` of the kernels (``cuda:i`` or ``cpu``).
         slot_bytes: bytes of one slot, i.e. the largest message one launch can carry (rounded up to 256).
         lamport_slot_bytes: bytes of one Lamport slot (the largest Lamport launch).
-        max_programs: grid cap; the signal pad has one flag per program, peer and parity.
+        max_programs: grid cap; the signal pad has one flag per program, peer, phase and parity.
         timeout_s: how long a kernel waits for a peer.
 
     Raises:
@@ -60,7 +62,7 @@ class Workspace:
         self.world_size = dist.get_world_size(group)
         self.max_programs = max_programs
         self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
-        self.flag_bytes = _round_up(2 * max_programs * self.world_size * 4, _ALIGN)
+        self.flag_bytes = _round_up(2 * PHASES * max_programs * self.world_size * 8, _ALIGN)
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
         self.data_bytes = 2 * self.world_size * self.slot_bytes
         self.total_bytes = self.flag_bytes + self.data_bytes + 2 * self.world_size * self.lamport_slot_bytes
@@ -148,6 +150,16 @@ class Workspace:
     def rows_per_launch(self, hidden: int, element_size: int) -> int:
         """Rows of ``hidden`` elements one launch can carry (0 if not even one fits)."""
         return self.slot_elems(element_size) // self.row_stride(hidden, element_size)
+
+    def half_slot_elems(self, element_size: int) -> int:
+        """Elements of half a slot, a multiple of 16: two-shot receives its share's rows in the first
+        half of each slot and gathers the reduced rows of rank ``q``'s share in the second half of slot
+        ``q``."""
+        return self.slot_elems(element_size) // 2 // 16 * 16
+
+    def share_rows_per_launch(self, hidden: int, element_size: int) -> int:
+        """Rows of one rank's share that one two-shot (or reduce-scatter) launch can carry."""
+        return self.half_slot_elems(element_size) // self.row_stride(hidden, element_size)
 
     def lamport_rows_per_launch(self, hidden: int, element_size: int) -> int:
         """Rows of ``hidden`` 16-bit elements one Lamport launch can carry."""

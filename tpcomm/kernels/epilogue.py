@@ -58,6 +58,18 @@ def reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: t
 
 
 @triton.jit
+def sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: tl.constexpr,
+             PRE_REDUCED: tl.constexpr, DTYPE: tl.constexpr):
+    """The contract's ``s`` for one tile, in ``DTYPE``: :func:`reduce_tile` rounded, or, with
+    ``PRE_REDUCED``, ``s`` as another program already computed it, loaded from ``recv_row_ptr`` (two-shot's
+    gathered rows)."""
+    if PRE_REDUCED:
+        return tl.load(recv_row_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return round_to(reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD), DTYPE)
+
+
+@triton.jit
 def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
     """``residual_out = T(f32(s) + f32(residual))`` stored and returned as float32 (or ``s`` itself
     when there is no residual). ``s`` is already rounded to the input dtype."""
@@ -91,8 +103,10 @@ def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA: tl.constexpr):
 def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_row_ptr, w_ptr,
                     out_row_ptr, row_start, numel, H, eps, rank,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
-                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
-    """Reduce one row over the ranks and run the epilogue.
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+                    PRE_REDUCED: tl.constexpr = False):
+    """Reduce one row over the ranks (or, with ``PRE_REDUCED``, load its sum ``s`` from
+    ``recv_row_ptr``) and run the epilogue.
 
     Without ``NORM`` stores ``s`` to ``out``. With ``NORM`` stores ``residual_out`` (when
     ``HAS_RESIDUAL``) and ``out``. ``row_start`` is the row's first element in the flat tensor; elements
@@ -103,7 +117,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
         mask = (offs < H) & (row_start + offs < numel)
-        s = round_to(reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD),
+        s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD, PRE_REDUCED,
                      out_row_ptr.dtype.element_ty)
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, HAS_RESIDUAL)
@@ -116,7 +130,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            s = round_to(reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD),
+            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD, PRE_REDUCED,
                          out_row_ptr.dtype.element_ty)
             if NORM:
                 if HAS_RESIDUAL:

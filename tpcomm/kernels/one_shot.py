@@ -9,9 +9,9 @@ faster direction over NVLink, DESIGN.md), publishes one flag per peer, waits for
 of every peer, then sums its rows in rank order (its own rows straight from ``x``) and runs the epilogue.
 Each rank sends ``(W - 1) * n`` bytes; the whole call is one launch with one flag round trip.
 
-Sync protocol (see ``sync.py``): data stores → ``debug_barrier`` → ``atomic_xchg(flag, epoch,
-release, sys)`` on each peer's signal pad; ``atomic_add(own flag, 0, acquire, sys)`` polled until it
-equals the epoch → ``debug_barrier`` → ``.cg`` loads of the received rows. Receive buffers and flags are
+Sync protocol (see ``sync.py``): data stores → ``debug_barrier`` → ``atomic_xchg(flag, signature <<
+32 | epoch, release, sys)`` on each peer's signal pad; ``atomic_add(own flag, 0, acquire, sys)`` polled
+until it carries the epoch → ``debug_barrier`` → ``.cg`` loads of the received rows. Receive buffers and flags are
 doubled by epoch parity; two are enough because a peer can start call ``e + 1`` only after finishing
 call ``e``, which needed this rank's call-``e`` data, sent after this rank's call ``e - 1`` had
 completed (stream order). A program waits only for the same program index on its peers.
@@ -24,14 +24,14 @@ import triton
 import triton.language as tl
 
 from .epilogue import reduce_norm_row
-from .sync import finish_program, launch_timeout, peer_ptr, read_epoch, send_flag, wait_flag
+from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
 @triton.jit
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, max_programs,
-                     eps, timeout, rank,
+                     eps, timeout, rank, signature,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
     pid = tl.program_id(0)
@@ -55,22 +55,11 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                     dst = peer_ptr(buf_table_ptr, q, DTYPE)
                     tl.store(dst + dst_off + cols, v, mask=mask)
 
-    # 2. Publish: one flag per peer, slot [par][pid][rank] of the peer's signal pad.
-    tl.debug_barrier()
-    flag_off = (par * max_programs + pid) * WORLD
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            send_flag(peer_ptr(flag_table_ptr, q, tl.int32) + flag_off + rank, epoch)
+    # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
+    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
+                             rank, pid, timeout, err_ptr, state_ptr, WORLD)
 
-    # 3. Wait for the same program index of every peer (bounded).
-    own_flags = peer_ptr(flag_table_ptr, rank, tl.int32) + flag_off
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            ok = wait_flag(own_flags + q, epoch, q, pid, timeout, err_ptr, state_ptr)
-            timeout = tl.where(ok, timeout, 0)
-    tl.debug_barrier()
-
-    # 4. Reduce in rank order and run the epilogue.
+    # 3. Reduce in rank order and run the epilogue.
     recv = peer_ptr(buf_table_ptr, rank, DTYPE) + par * parity_stride
     for row in range(pid, n_rows, num_programs):
         row_start = row * H
@@ -83,7 +72,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 
 
 def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-             cfg, norm: bool, gemma: bool) -> None:
+             cfg, norm: bool, gemma: bool, signature: int) -> None:
     """Launch the one-shot kernel on rows ``[0, n_rows)`` of the flat tensors.
 
     Args:
@@ -93,6 +82,8 @@ def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, ep
         ws: the :class:`~tpcomm.workspace.Workspace`; ``n_rows * ws.row_stride(H)`` elements must fit
             one slot (the caller chunks).
         cfg: :class:`~tpcomm.dispatch.RowConfig` for ``H``; ``cfg.grid(n_rows)`` programs are launched.
+        signature: the call's signature (:func:`tpcomm.kernels.sync.call_signature`), carried by the
+            flags so a peer that makes a different call is detected.
     """
     has_res = residual is not None
     grid = (cfg.grid(n_rows),)
@@ -103,7 +94,7 @@ def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, ep
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
         ws.parity_elems(x.element_size()), ws.max_programs,
-        eps, ws.timeout, ws.rank,
+        eps, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, num_warps=cfg.num_warps,
     )

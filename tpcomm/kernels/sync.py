@@ -4,10 +4,11 @@ Problem: programs on different GPUs (or CPU processes under the interpreter) exc
 symmetric workspace and must know when a peer's data has landed, without ever hanging.
 
 Protocol:
-  * A *flag* is an int32 in a rank's signal pad. Only one program of one peer ever writes a given flag,
-    and it writes the call's *epoch* (a per-call sequence number kept in device memory) with a
-    ``release`` exchange at system scope, after a program-wide barrier, so the release covers the data
-    stores of every thread of the program.
+  * A *flag* is an int64 in a rank's signal pad. Only one program of one peer ever writes a given flag,
+    and it writes ``signature << 32 | epoch`` (the epoch is a per-call sequence number kept in device
+    memory; the signature a hash of the call's op and shape, the same on every rank that makes the same
+    call) with a ``release`` exchange at system scope, after a program-wide barrier, so the release
+    covers the data stores of every thread of the program.
   * The owner polls its own flag with an ``acquire`` load at system scope (``atomic_add(p, 0)``, which
     Triton lowers to ``ld.acquire.sys``) until it equals the epoch, then runs a program-wide barrier before
     any thread loads the data. Flags are matched by equality, so wrap-around of the 32-bit epoch is
@@ -26,14 +27,27 @@ Protocol:
 """
 
 import time
+import zlib
 
 import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
 
+#: Error codes in the error words (host-side values, then the kernels' constants).
+TIMEOUT_CODE, MISMATCH_CODE = 1, 2
 #: Error code written when a wait expires.
-ERR_TIMEOUT = tl.constexpr(1)
+ERR_TIMEOUT = tl.constexpr(TIMEOUT_CODE)
+#: Error code written when a peer's flag carries another call's signature.
+ERR_MISMATCH = tl.constexpr(MISMATCH_CODE)
+
+
+def call_signature(*fields) -> int:
+    """The 31-bit signature a launch's flags carry: a CRC of ``fields`` (the op, algorithm, shape and
+    dtype of the call, everything every rank must agree on), odd and at least 2**30, so Triton never
+    specialises it as the constant 1 and peers making the same call compute the same value."""
+    crc = zlib.crc32(repr(fields).encode())
+    return (crc & 0x3FFFFFFE) | 0x40000001
 
 
 @triton.jit
@@ -44,13 +58,13 @@ def peer_ptr(table_ptr, peer, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def send_flag(flag_ptr, epoch):
-    """Publish ``epoch`` to a flag with release semantics at system scope.
+def send_flag(flag_ptr, value):
+    """Publish ``value`` (:func:`flag_value`) to a flag with release semantics at system scope.
 
     Precondition: the caller ran ``tl.debug_barrier()`` after its data stores, and is the only writer
     of this flag.
     """
-    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
 if interpreter_enabled():
@@ -72,32 +86,81 @@ else:
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, peer, program, timeout, err_ptr, state_ptr):
-    """Spin until ``*flag_ptr == epoch`` (acquire, system scope), at most ``timeout`` nanoseconds.
+def flag_value(epoch, signature):
+    """The int64 a flag carries: ``signature << 32 | (epoch mod 2**32)``."""
+    return (signature.to(tl.int64) << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF)
 
-    On expiry calls :func:`record_timeout` and returns False.
+
+@triton.jit
+def flag_offset(par, phase, pid, max_programs, WORLD: tl.constexpr):
+    """Index of ``[par][phase][pid][0]`` in the signal pad ``int64 [2][2][max_programs][WORLD]``
+    (``workspace.PHASES`` is 2)."""
+    return ((par * 2 + phase) * max_programs + pid) * WORLD
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr):
+    """Spin until the low 32 bits of ``*flag_ptr`` equal ``epoch`` (acquire, system scope), at most
+    ``timeout`` nanoseconds, then check the signature.
+
+    Returns True when the peer arrived with this call's signature. On expiry records ``ERR_TIMEOUT``, on
+    another signature ``ERR_MISMATCH`` (:func:`record_error`), and returns False.
     The caller runs ``tl.debug_barrier()`` before loading the data this flag publishes.
     """
+    want = epoch.to(tl.int64) & 0xFFFFFFFF
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     start = now_ns()
     waited = start - start
-    while (seen != epoch) & (waited < timeout):
+    while ((seen & 0xFFFFFFFF) != want) & (waited < timeout):
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         waited = now_ns() - start
-    ok = seen == epoch
-    if not ok:
-        record_timeout(err_ptr, state_ptr, peer, epoch, program)
-    return ok
+    arrived = (seen & 0xFFFFFFFF) == want
+    same_call = (seen >> 32) == signature.to(tl.int64)
+    if not arrived:
+        record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program)
+    elif not same_call:
+        record_error(err_ptr, state_ptr, ERR_MISMATCH, peer, epoch, program)
+    return arrived & same_call
+
+
+@triton.jit
+def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+                   WORLD: tl.constexpr):
+    """Publish this program's stores to every peer and wait for the same program of every peer.
+
+    ``flag_off`` is :func:`flag_offset` of this phase; the flag for peer ``q`` lands in slot
+    ``flag_off + rank`` of ``q``'s signal pad. Runs a program-wide barrier before sending (so the release
+    covers every thread's stores) and after waiting (so no thread reads before the wait).
+    Returns the timeout left for later waits: ``timeout``, or 0 once a wait failed.
+    """
+    tl.debug_barrier()
+    value = flag_value(epoch, signature)
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            send_flag(peer_ptr(flag_table_ptr, q, tl.int64) + flag_off + rank, value)
+    own = peer_ptr(flag_table_ptr, rank, tl.int64) + flag_off
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            ok = wait_flag(own + q, epoch, signature, q, program, timeout, err_ptr, state_ptr)
+            timeout = tl.where(ok, timeout, 0)
+    tl.debug_barrier()
+    return timeout
+
+
+@triton.jit
+def record_error(err_ptr, state_ptr, code, peer, epoch, program):
+    """Write ``(code, peer, epoch, program)`` to the error words and mark the state broken."""
+    tl.store(err_ptr + 1, peer)
+    tl.store(err_ptr + 2, epoch)
+    tl.store(err_ptr + 3, program)
+    tl.store(err_ptr, code)
+    tl.store(state_ptr + 2, 1)
 
 
 @triton.jit
 def record_timeout(err_ptr, state_ptr, peer, epoch, program):
-    """Write ``(ERR_TIMEOUT, peer, epoch, program)`` to the error words and mark the state broken."""
-    tl.store(err_ptr + 1, peer)
-    tl.store(err_ptr + 2, epoch)
-    tl.store(err_ptr + 3, program)
-    tl.store(err_ptr, ERR_TIMEOUT)
-    tl.store(state_ptr + 2, 1)
+    """:func:`record_error` with ``ERR_TIMEOUT``."""
+    record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program)
 
 
 @triton.jit

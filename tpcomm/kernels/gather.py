@@ -1,0 +1,85 @@
+"""All-gather: every rank's input, concatenated in rank order, on every rank.
+
+Problem: ``out[q * n : (q + 1) * n] = x_q`` for every rank ``q`` (``n`` elements per rank), bit for bit.
+
+Algorithm (push, one flag round trip): the input is cut into rows of ``width`` elements. Program ``p``
+owns rows ``p, p + G, ...``: it stores each into slot ``rank`` of every peer's receive buffer and into
+its own part of ``out``, exchanges flags with the same program of every peer (``sync.exchange_flags``),
+then copies its rows of every peer's slot into that peer's part of ``out``. Each rank sends
+``(W - 1) * n`` bytes, the least an all-gather can.
+
+Sync protocol and buffers: as ``one_shot.py`` (phase-0 flags, receive slots doubled by epoch parity).
+The output is the caller's tensor, never registered with peers: a rank copies out of its own receive
+buffer, so peers only ever write the workspace.
+"""
+
+import triton
+import triton.language as tl
+
+from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
+
+
+@triton.jit
+def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+                       n_rows, width, numel, out_rank_stride, row_stride, slot_stride, parity_stride,
+                       max_programs, timeout, rank, signature,
+                       WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    epoch = read_epoch(state_ptr)
+    timeout = launch_timeout(state_ptr, timeout)
+    par = epoch & 1
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    base = par * parity_stride
+
+    # 1. Push this program's rows to every peer; copy them into this rank's part of out.
+    for row in range(pid, n_rows, num_programs):
+        row_start = row * width
+        for t in tl.static_range(NUM_TILES):
+            cols = t * BLOCK + offs
+            mask = (cols < width) & (row_start + cols < numel)
+            v = tl.load(x_ptr + row_start + cols, mask=mask)
+            for q in tl.static_range(WORLD):
+                if q != rank:
+                    dst = peer_ptr(buf_table_ptr, q, DTYPE) + base + rank * slot_stride + row * row_stride
+                    tl.store(dst + cols, v, mask=mask)
+            tl.store(out_ptr + rank * out_rank_stride + row_start + cols, v, mask=mask)
+
+    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
+                             rank, pid, timeout, err_ptr, state_ptr, WORLD)
+
+    # 2. Copy every peer's rows out of this rank's receive buffer.
+    recv = peer_ptr(buf_table_ptr, rank, DTYPE) + base
+    for row in range(pid, n_rows, num_programs):
+        row_start = row * width
+        for t in tl.static_range(NUM_TILES):
+            cols = t * BLOCK + offs
+            mask = (cols < width) & (row_start + cols < numel)
+            for q in tl.static_range(WORLD):
+                if q != rank:
+                    v = tl.load(recv + q * slot_stride + row * row_stride + cols, mask=mask,
+                                cache_modifier=".cg")
+                    tl.store(out_ptr + q * out_rank_stride + row_start + cols, v, mask=mask)
+
+    finish_program(state_ptr, epoch, num_programs)
+
+
+def all_gather(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, signature: int) -> None:
+    """Launch the all-gather kernel on rows ``[0, n_rows)`` of ``width`` elements of flat ``x``.
+
+    Args:
+        x: this rank's piece, at most ``n_rows * width`` elements (``x.numel()`` bounds the last row).
+        out: flat view whose element ``q * out_rank_stride + i`` receives element ``i`` of rank ``q``'s
+            piece (a chunk of a larger all-gather starts ``out`` at the chunk's offset).
+        ws: the :class:`~tpcomm.workspace.Workspace`; ``n_rows`` rows must fit one slot.
+        cfg: :class:`~tpcomm.dispatch.RowConfig` for ``width``.
+        signature: the call's signature (:func:`tpcomm.kernels.sync.call_signature`).
+    """
+    es = x.element_size()
+    _all_gather_kernel[(cfg.grid(n_rows),)](
+        x, out, ws.buf_table, ws.flag_table, ws.state, ws.err,
+        n_rows, width, x.numel(), out_rank_stride, ws.row_stride(width, es), ws.slot_elems(es),
+        ws.parity_elems(es), ws.max_programs, ws.timeout, ws.rank, signature,
+        WORLD=ws.world_size, BLOCK=cfg.block_h, NUM_TILES=cfg.num_tiles, num_warps=cfg.num_warps,
+    )
