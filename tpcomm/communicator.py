@@ -12,6 +12,7 @@ import torch.distributed as dist
 from . import dispatch, reference
 from .env import interpreter_enabled, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
+from .fp8_outputs import fp8_outputs
 from .kernels.sync import MISMATCH_CODE, call_signature
 from .workspace import Workspace
 
@@ -202,7 +203,9 @@ class Communicator:
         return out
 
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                          eps: float = 1e-6, gemma: bool = False):
+                          eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
+                          fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = 128,
+                          column_major_scales: bool = False, emit_unquantized: bool = False):
         """All-reduce ``x``, add ``residual``, RMSNorm — in one kernel.
 
         Plain torch: ``s = all_reduce(x); residual_out = s + residual;
@@ -217,14 +220,28 @@ class Communicator:
             weight: ``(H,)`` norm weight, float dtype (the input's or float32).
             eps: >= 0, added to the mean square.
             gemma: use ``1 + w`` (Gemma-style norms).
+            quant: None, ``"fp8_per_token"`` or ``"fp8_per_group"``: also quantise ``out`` to FP8 in the
+                same kernel (DESIGN.md item 4): ``scale = amax / MAX`` over the row (or group) of the
+                rounded ``out`` (1 where that is 0), ``q = fp8(out / scale)`` saturated to +-MAX; the
+                bytes and scales equal :func:`tpcomm.quant.per_token_quant_fp8` /
+                :func:`~tpcomm.quant.per_group_quant_fp8` applied to the unquantised ``out``.
+            fp8_dtype: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz`` (MAX 240).
+            group_size: elements per scale of ``fp8_per_group`` (default 128, DeepSeek-V3's 1 x 128);
+                a power of two that divides H.
+            column_major_scales: ``fp8_per_group`` only, ``x`` 2-D: return the scales as the transpose
+                view of a contiguous ``(H / group_size, T)`` tensor (the layout grouped GEMMs read).
+            emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
         Returns:
-            ``(out, residual_out)``: new tensors shaped like ``x``; ``residual_out`` is None without a
-            residual. Identical bits on every rank, for every algorithm. Safe in CUDA graphs. Messages
-            larger than ``max_bytes`` run in chunks of rows.
+            Without ``quant``: ``(out, residual_out)``, new tensors shaped like ``x``; ``residual_out`` is
+            None without a residual. With ``quant``: ``(q, scales, residual_out, out)``: ``q`` shaped like
+            ``x`` in ``fp8_dtype``; ``scales`` float32 ``(..., 1)`` per token or ``(..., H / group_size)``
+            per group; ``out`` None unless ``emit_unquantized``. Identical bits on every rank, for every
+            algorithm. Safe in CUDA graphs. Messages larger than ``max_bytes`` run in chunks of rows.
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
-            ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device, or
-                ``eps`` is negative or not finite (TypeError if it is not a number).
+            ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device,
+                ``eps`` is negative or not finite (TypeError if it is not a number), or a quant argument
+                is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``).
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "fused_add_rmsnorm"
@@ -253,23 +270,37 @@ class Communicator:
         eps = float(eps)
         if not (eps >= 0.0 and eps != float("inf")):
             raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+        if quant is None and (emit_unquantized or column_major_scales):
+            raise ValueError(f"{op}: emit_unquantized and column_major_scales need quant='fp8_per_token' "
+                             "or 'fp8_per_group'")
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         residual_out = torch.empty_like(out) if residual is not None else None
+        T = x.numel() // H if H else 0
+        qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales) if quant else None
+
+        def result():
+            if qout is None:
+                return out, residual_out
+            return qout.q_fp8, qout.scales_view, residual_out, (out if emit_unquantized else None)
+
         if x.numel() == 0:
-            return out, residual_out
-        T = x.numel() // H
+            return result()
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
         if plan.algorithm == "fallback":
             o, ro = reference.fused_add_rmsnorm_reference(x, residual, weight, eps, gemma, self.group)
             out.copy_(o)
             if residual_out is not None:
                 residual_out.copy_(ro)
-            return out, residual_out
+            if qout is not None:
+                qout.fill_from(out)
+            return result()
+        cfg = dispatch.row_config(H, self.workspace.max_programs)
+        launch_quant = qout.launch_args(self.device, emit_unquantized or cfg.num_tiles > 1) if qout else None
         self._run_rows(op, plan, x.contiguous().view(-1), out.view(-1),
                        residual.contiguous().view(-1) if residual is not None else None,
                        residual_out.view(-1) if residual_out is not None else None,
-                       weight.contiguous(), T, H, eps, norm=True, gemma=gemma)
-        return out, residual_out
+                       weight.contiguous(), T, H, eps, norm=True, gemma=gemma, quant=launch_quant)
+        return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``, in rank order.
@@ -424,9 +455,11 @@ class Communicator:
             return dispatch.Plan("fallback", f"a row of {hidden} elements exceeds max_bytes")
         return plan
 
-    def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma):
+    def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
+                  quant=None):
         if plan.algorithm == "two_shot":
-            self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma)
+            self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
+                               quant=quant)
             return
         from .kernels.lamport import lamport
         from .kernels.one_shot import one_shot
@@ -446,14 +479,15 @@ class Communicator:
                         residual[a:b] if residual is not None else None,
                         residual_out[a:b] if residual_out is not None else None,
                         weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
+                q = quant.shifted(r0, a) if quant is not None else None
                 if use_lamport:
-                    lamport(*args)
+                    lamport(*args, quant=q)
                 else:
                     one_shot(*args, call_signature(op, "one_shot", str(x.dtype), numel, r0, r1, H, norm,
-                                                   residual is not None, gemma))
+                                                   residual is not None, gemma), quant=q)
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                      scatter_only=False):
+                      scatter_only=False, quant=None):
         from .kernels.two_shot import two_shot
 
         ws = self.workspace
@@ -466,7 +500,7 @@ class Communicator:
                 sig = call_signature(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
                                      residual is not None, gemma)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
-                         gemma, sig, scatter_only)
+                         gemma, sig, scatter_only, quant)
 
     @contextlib.contextmanager
     def _launching(self, op: str):

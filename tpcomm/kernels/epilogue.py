@@ -12,10 +12,19 @@ The square root and the division are the correctly rounded ones (``sqrt_rn``, ``
 outputs differ from a float32 reference only through the order of the mean's sum.
 """
 
+from dataclasses import dataclass, replace
+
 import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
+from .quant import (abs_bits, amax_from_bits, expand_group_scales, fp8_scale, group_amax, quantize, row_amax,
+                    widen)
+
+#: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
+QUANT_NONE = tl.constexpr(0)
+QUANT_PER_TOKEN = tl.constexpr(1)
+QUANT_PER_GROUP = tl.constexpr(2)
 
 # Triton's interpreter (3.9) truncates float32 -> bfloat16 (and mangles subnormals) whatever rounding
 # is asked for; under it, bf16 outputs are rounded to nearest-even on the bits instead.
@@ -53,7 +62,7 @@ def reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: t
         a = tl.load(x_row_ptr + cols, mask=mask & mine, other=0.0)
         b = tl.load(recv_row_ptr + q * slot_stride + cols, mask=mask & (ranks != q), other=0.0,
                     cache_modifier=".cg")
-        acc += tl.where(mine, a, b).to(tl.float32)
+        acc += widen(tl.where(mine, a, b))
     return acc
 
 
@@ -74,12 +83,12 @@ def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL: tl.
     """``residual_out = T(f32(s) + f32(residual))`` stored and returned as float32 (or ``s`` itself
     when there is no residual). ``s`` is already rounded to the input dtype."""
     if HAS_RESIDUAL:
-        r = tl.load(res_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        ro = round_to(s.to(tl.float32) + r, s.dtype)
+        r = widen(tl.load(res_row_ptr + cols, mask=mask, other=0.0))
+        ro = round_to(widen(s) + r, s.dtype)
         tl.store(res_out_row_ptr + cols, ro, mask=mask)
-        return ro.to(tl.float32)
+        return widen(ro)
     else:
-        return s.to(tl.float32)
+        return widen(s)
 
 
 @triton.jit
@@ -90,29 +99,50 @@ def rms_inverse(sum_sq, H, eps):
 
 
 @triton.jit
-def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA: tl.constexpr):
-    """``out = T(v * inv * w')`` for one tile; ``v`` is float32 ``residual_out`` (or ``s``)."""
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA: tl.constexpr, STORE_OUT: tl.constexpr):
+    """``out = T(v * inv * w')`` for one tile (stored when ``STORE_OUT``); ``v`` is float32
+    ``residual_out`` (or ``s``). Returns ``out`` widened back to float32 (what FP8 quantises)."""
+    w = widen(tl.load(w_ptr + cols, mask=mask, other=0.0))
     if GEMMA:
         w = 1.0 + w
-    y = v * inv * w
-    tl.store(out_row_ptr + cols, round_to(y, out_row_ptr.dtype.element_ty), mask=mask)
+    o = round_to(v * inv * w, out_row_ptr.dtype.element_ty)
+    if STORE_OUT:
+        tl.store(out_row_ptr + cols, o, mask=mask)
+    return widen(o)
+
+
+@triton.jit
+def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, H,
+                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr):
+    """Per-group FP8 of one tile of ``out`` (float32 ``o``): the tile holds whole groups (``GROUP``
+    divides ``BLOCK_H``), so bytes and scales are stored at once (DESIGN.md item 4, per group)."""
+    NG: tl.constexpr = o.shape[0] // GROUP
+    sc = fp8_scale(group_amax(o, mask, GROUP), FP8)
+    tl.store(q_row_ptr + cols, quantize(o, expand_group_scales(sc, GROUP), FP8, NATIVE_FP8), mask=mask)
+    g = tile * NG + tl.arange(0, NG)
+    tl.store(s_row_ptr + g * s_group_stride, sc, mask=g * GROUP < H)
 
 
 @triton.jit
 def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_row_ptr, w_ptr,
-                    out_row_ptr, row_start, numel, H, eps, rank,
+                    out_row_ptr, q_row_ptr, s_row_ptr, s_group_stride, row_start, numel, H, eps, rank,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-                    PRE_REDUCED: tl.constexpr = False):
+                    PRE_REDUCED: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr,
+                    FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr):
     """Reduce one row over the ranks (or, with ``PRE_REDUCED``, load its sum ``s`` from
     ``recv_row_ptr``) and run the epilogue.
 
     Without ``NORM`` stores ``s`` to ``out``. With ``NORM`` stores ``residual_out`` (when
-    ``HAS_RESIDUAL``) and ``out``. ``row_start`` is the row's first element in the flat tensor; elements
-    at or beyond ``numel`` are masked (plain all-reduce of a tensor that is not a whole number of rows).
+    ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN`` or
+    ``QUANT_PER_GROUP``) the FP8 bytes of ``out`` at ``q_row_ptr`` (uint8) and their float32 scales at
+    ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale). ``row_start`` is the row's
+    first element in the flat tensor; elements at or beyond ``numel`` are masked (plain all-reduce of a
+    tensor that is not a whole number of rows).
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
-    ``residual_out`` (or ``s`` into ``out``) and accumulates squares, the second re-reads and normalises.
+    ``residual_out`` (or ``s`` into ``out``) and accumulates squares, the second re-reads and normalises
+    (and quantises per group); per-token FP8 needs the row's amax before any byte, so a third pass
+    re-reads ``out`` (``STORE_OUT`` must then be set) and quantises.
     """
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
@@ -122,7 +152,14 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, HAS_RESIDUAL)
             inv = rms_inverse(tl.sum(v * v, axis=0), H, eps)
-            norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, GEMMA)
+            o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, GEMMA, STORE_OUT)
+            if QUANT == QUANT_PER_TOKEN:
+                scale = fp8_scale(row_amax(o, mask), FP8)
+                tl.store(q_row_ptr + offs, quantize(o, scale, FP8, NATIVE_FP8), mask=mask)
+                tl.store(s_row_ptr, scale)
+            elif QUANT == QUANT_PER_GROUP:
+                quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, offs, mask, 0, H, FP8, NATIVE_FP8,
+                                 GROUP)
         else:
             tl.store(out_row_ptr + offs, s, mask=mask)
     else:
@@ -137,19 +174,85 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     v = residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL)
                 else:
                     tl.store(out_row_ptr + cols, s, mask=mask)
-                    v = s.to(tl.float32)
+                    v = widen(s)
                 sq += v * v
             else:
                 tl.store(out_row_ptr + cols, s, mask=mask)
         if NORM:
             inv = rms_inverse(tl.sum(sq, axis=0), H, eps)
+            amax_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
             tl.debug_barrier()
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = cols < H
                 if HAS_RESIDUAL:
-                    v = tl.load(res_out_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    v = widen(tl.load(res_out_row_ptr + cols, mask=mask, other=0.0))
                 else:
-                    v = tl.load(out_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    v = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
                 tl.debug_barrier()
-                norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA)
+                o = norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA, STORE_OUT)
+                if QUANT == QUANT_PER_TOKEN:
+                    amax_bits = tl.maximum(amax_bits, abs_bits(o, mask))
+                elif QUANT == QUANT_PER_GROUP:
+                    quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
+                                     NATIVE_FP8, GROUP)
+            if QUANT == QUANT_PER_TOKEN:
+                scale = fp8_scale(amax_from_bits(amax_bits), FP8)
+                tl.debug_barrier()
+                for t in tl.static_range(NUM_TILES):
+                    cols = t * BLOCK_H + offs
+                    mask = cols < H
+                    o = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
+                    tl.store(q_row_ptr + cols, quantize(o, scale, FP8, NATIVE_FP8), mask=mask)
+                tl.store(s_row_ptr, scale)
+
+
+@dataclass(frozen=True)
+class QuantOut:
+    """Where a fused launch writes its FP8 output (host side; a launcher passes these to the kernel).
+
+    Attributes:
+        q: ``uint8`` view of the FP8 output, laid out like ``out`` (flat rows of ``H``).
+        scales: float32; the scale of group ``g`` of row ``i`` is at element
+            ``i * row_stride + g * group_stride`` (per token: ``g`` is 0).
+        row_stride, group_stride: element strides of ``scales`` (row-major or column-major layouts).
+        mode: ``QUANT_PER_TOKEN.value`` or ``QUANT_PER_GROUP.value``.
+        fp8: ``tl.float8e4nv`` (e4m3fn) or ``tl.float8e4b8`` (e4m3fnuz).
+        native: use the hardware conversion (:func:`tpcomm.quant.native_fp8`).
+        group: elements per group (per-group mode; 1 otherwise).
+        store_out: also store the unquantised ``out`` (asked for, or needed as scratch by a third pass).
+    """
+
+    q: object
+    scales: object
+    row_stride: int
+    group_stride: int
+    mode: int
+    fp8: object
+    native: bool
+    group: int
+    store_out: bool
+
+    def shifted(self, row0: int, elem0: int) -> "QuantOut":
+        """The same output seen from row ``row0`` (flat element ``elem0``) of the call: for a launch of
+        a chunk of rows. The scales pointer moves on the storage, which serves both layouts."""
+        first = self.scales.as_strided((1,), (1,), self.scales.storage_offset() + row0 * self.row_stride)
+        return replace(self, q=self.q[elem0:], scales=first)
+
+    def kernel_args(self) -> tuple:
+        """``(q, scales, row_stride, group_stride)``, the kernel's pointer arguments."""
+        return (self.q, self.scales, self.row_stride, self.group_stride)
+
+    def constexprs(self) -> dict:
+        """The kernel's ``QUANT``, ``STORE_OUT``, ``FP8``, ``NATIVE_FP8`` and ``GROUP``."""
+        return dict(QUANT=self.mode, STORE_OUT=self.store_out, FP8=self.fp8, NATIVE_FP8=self.native,
+                    GROUP=self.group)
+
+
+def no_quant_args(out) -> tuple:
+    """Kernel arguments of a launch without FP8 output (unused pointers point at ``out``)."""
+    return (out, out, 0, 0)
+
+
+#: Constexprs of a launch without FP8 output.
+NO_QUANT = dict(QUANT=0, STORE_OUT=True, FP8=tl.float8e4nv, NATIVE_FP8=False, GROUP=1)

@@ -25,7 +25,7 @@ When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.p
 import triton
 import triton.language as tl
 
-from .epilogue import reduce_norm_row
+from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row
 from .sync import finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_timeout
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
@@ -56,12 +56,14 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, time
 
 
 @triton.jit
-def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                     buf_table_ptr, state_ptr, err_ptr,
                     n_rows, H, numel, row_stride, slot_stride, parity_stride,
                     eps, timeout, rank,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
-                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+                    QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    GROUP: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = read_epoch(state_ptr)
@@ -95,8 +97,10 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                                  timeout, err_ptr, state_ptr, WORLD)
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
+                        q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
                         row_start, numel, H, eps, rank,
-                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA)
+                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, False,
+                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
         tl.debug_barrier()
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
@@ -110,7 +114,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 
 
 def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-            cfg, norm: bool, gemma: bool) -> None:
+            cfg, norm: bool, gemma: bool, quant=None) -> None:
     """Launch the Lamport kernel on rows ``[0, n_rows)``; arguments as :func:`one_shot.one_shot`.
 
     ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
@@ -120,11 +124,12 @@ def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps
     grid = (cfg.grid(n_rows),)
     _lamport_kernel[grid](
         x, residual if has_res else x, weight if weight is not None else x, out,
-        residual_out if has_res else out,
+        residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.lamport_table, ws.state, ws.err,
         n_rows, H, x.numel(), ws.row_stride(H, 2), ws.lamport_slot_bytes // 2,
         ws.world_size * ws.lamport_slot_bytes // 2,
         eps, ws.timeout, ws.rank,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
-        HAS_RESIDUAL=has_res, GEMMA=gemma, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
+        num_warps=cfg.num_warps,
     )

@@ -23,17 +23,19 @@ crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/benc
 import triton
 import triton.language as tl
 
-from .epilogue import reduce_norm_row
+from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, max_programs,
                      eps, timeout, rank, signature,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
-                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
+                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+                     QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     GROUP: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = read_epoch(state_ptr)
@@ -65,14 +67,16 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         row_start = row * H
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
+                        q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
                         row_start, numel, H, eps, rank,
-                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA)
+                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, False,
+                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
 
     finish_program(state_ptr, epoch, num_programs)
 
 
 def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-             cfg, norm: bool, gemma: bool, signature: int) -> None:
+             cfg, norm: bool, gemma: bool, signature: int, quant=None) -> None:
     """Launch the one-shot kernel on rows ``[0, n_rows)`` of the flat tensors.
 
     Args:
@@ -84,17 +88,19 @@ def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, ep
         cfg: :class:`~tpcomm.dispatch.RowConfig` for ``H``; ``cfg.grid(n_rows)`` programs are launched.
         signature: the call's signature (:func:`tpcomm.kernels.sync.call_signature`), carried by the
             flags so a peer that makes a different call is detected.
+        quant: :class:`~tpcomm.kernels.epilogue.QuantOut` of this launch's rows, or None (no FP8 output).
     """
     has_res = residual is not None
     grid = (cfg.grid(n_rows),)
     row_stride = ws.row_stride(H, x.element_size())
     _one_shot_kernel[grid](
         x, residual if has_res else x, weight if weight is not None else x, out,
-        residual_out if has_res else out,
+        residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
         ws.parity_elems(x.element_size()), ws.max_programs,
         eps, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
-        HAS_RESIDUAL=has_res, GEMMA=gemma, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
+        num_warps=cfg.num_warps,
     )

@@ -43,7 +43,7 @@ When it wins: large messages; the crossover table is in ``tpcomm/dispatch.py``, 
 import triton
 import triton.language as tl
 
-from .epilogue import reduce_norm_row, reduce_tile, round_to
+from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row, reduce_tile, round_to
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
@@ -62,13 +62,14 @@ def share_len(o, n_rows, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, j0, n_local, H, numel, row_stride, slot_stride, half_stride, parity_stride,
                      max_programs, eps, timeout, rank, signature,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      SCATTER_ONLY: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     GEMMA: tl.constexpr):
+                     GEMMA: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = read_epoch(state_ptr)
@@ -121,17 +122,21 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
             j = j0 + jj
             for o in tl.static_range(WORLD):
                 if j < share_len(o, n_rows, WORLD):
-                    row_start = (share_start(o, n_rows, WORLD) + j) * H
+                    row = share_start(o, n_rows, WORLD) + j
+                    row_start = row * H
                     reduce_norm_row(x_ptr + row_start, recv + o * slot_stride + half_stride + jj * row_stride,
                                     slot_stride, res_ptr + row_start, res_out_ptr + row_start, w_ptr,
-                                    out_ptr + row_start, row_start, numel, H, eps, rank,
-                                    WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True)
+                                    out_ptr + row_start, q_ptr + row_start, s_ptr + row * s_row_stride,
+                                    s_group_stride, row_start, numel, H, eps, rank,
+                                    WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
+                                    QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
 
     finish_program(state_ptr, epoch, num_programs)
 
 
 def two_shot(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n_local: int, H: int,
-             eps: float, cfg, norm: bool, gemma: bool, signature: int, scatter_only: bool = False) -> None:
+             eps: float, cfg, norm: bool, gemma: bool, signature: int, scatter_only: bool = False,
+             quant=None) -> None:
     """Launch the two-shot kernel on local rows ``[j0, j0 + n_local)`` of every share.
 
     Args:
@@ -146,15 +151,17 @@ def two_shot(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n
         cfg: :class:`~tpcomm.dispatch.RowConfig` for ``H``; ``cfg.grid(n_local)`` programs are launched.
         signature: the call's signature (:func:`tpcomm.kernels.sync.call_signature`).
         scatter_only: stop after the reduce (reduce-scatter).
+        quant: :class:`~tpcomm.kernels.epilogue.QuantOut` of the whole call, or None (no FP8 output).
     """
     has_res = residual is not None and not scatter_only
     es = x.element_size()
     _two_shot_kernel[(cfg.grid(n_local),)](
         x, residual if has_res else x, weight if weight is not None else x, out,
-        residual_out if has_res else out,
+        residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, j0, n_local, H, x.numel(), ws.row_stride(H, es), ws.slot_elems(es), ws.half_slot_elems(es),
         ws.parity_elems(es), ws.max_programs, eps, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, SCATTER_ONLY=scatter_only,
-        NORM=norm, HAS_RESIDUAL=has_res, GEMMA=gemma, num_warps=cfg.num_warps,
+        NORM=norm, HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
+        num_warps=cfg.num_warps,
     )
