@@ -1,0 +1,85 @@
+"""The ``tpcomm bench`` arguments (added to the ``bench`` subparser by :mod:`tpcomm.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import DTYPE_NAMES, MODES, OPS
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return v
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"1,16,64"`` -> ``(1, 16, 64)``; every value >= 1."""
+    try:
+        vals = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def choice_list(allowed) -> callable:
+    """An argparse type: comma-separated names, each one of ``allowed``."""
+    def parse(text: str) -> tuple[str, ...]:
+        vals = tuple(t.strip() for t in text.split(",") if t.strip())
+        bad = [v for v in vals if v not in allowed]
+        if not vals or bad:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}, "
+                                             f"got {text!r}")
+        return vals
+    return parse
+
+
+def add_bench_arguments(b: argparse.ArgumentParser) -> None:
+    """The options of ``tpcomm bench``; defaults (None) are the full sweep of
+    :class:`tpcomm.bench.config.BenchConfig`."""
+    from .contenders import NAMES
+
+    b.add_argument("--world", type=_positive_int, default=None, help="GPUs (default: all visible)")
+    b.add_argument("--ops", type=choice_list(tuple(OPS)), default=None,
+                   help=f"comma-separated, from {','.join(OPS)} (default: all but fused_fp8, which is added "
+                        "when tpcomm's fused_add_rmsnorm takes quant=)")
+    b.add_argument("--hidden", type=int_list, default=None,
+                   help="comma-separated hidden sizes (default 2880,4096,6144,7168,8192)")
+    b.add_argument("--dtype", type=choice_list(DTYPE_NAMES), default=None,
+                   help="comma-separated, from bf16,fp16,fp32 (default bf16,fp16)")
+    b.add_argument("--tokens", type=int_list, default=None,
+                   help="comma-separated token counts (default 1,16,64,256,1024,4096,16384)")
+    b.add_argument("--modes", type=choice_list(MODES), default=None,
+                   help="graph (CUDA graphs), eager (host overhead included), or both (default)")
+    b.add_argument("--eager", action="store_true", help="eager mode only (same as --modes eager)")
+    b.add_argument("--contenders", type=choice_list(NAMES), default=None,
+                   help=f"only these alternatives (tpcomm and the peer copies always run): {','.join(NAMES)}")
+    b.add_argument("--quick", action="store_true",
+                   help="hidden 6144, bf16, tokens 16,256,4096 (about a minute on 2 H200s); other options "
+                        "given explicitly still apply")
+    b.add_argument("--estimate", action="store_true",
+                   help="print the expected device time of the sweep and exit (no GPU needed)")
+    b.add_argument("--json", default=None, metavar="PATH",
+                   help="results file (default out/bench[-quick]-w<world>.json); the PNGs "
+                        "(<stem>-<op>-<mode>.png) go beside it")
+    b.add_argument("--graph-calls", type=_positive_int, default=20,
+                   help="most calls per graph (fewer for messages over 50 MiB, see set_bytes)")
+    b.add_argument("--replays", type=_positive_int, default=30, help="most timed replays per row")
+    b.add_argument("--eps", type=float, default=1e-6)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``tpcomm bench`` from parsed arguments; returns the exit status."""
+    from .command import main
+
+    modes = ("eager",) if args.eager else args.modes
+    return main(world_size=args.world, ops=args.ops, hiddens=args.hidden, dtypes=args.dtype,
+                tokens=args.tokens, modes=modes, contenders=args.contenders, quick=args.quick,
+                json_path=args.json, graph_calls=args.graph_calls, replays=args.replays, eps=args.eps,
+                estimate_only=args.estimate)
