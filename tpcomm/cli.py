@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tpcomm",
         description="Tensor-parallel all-reduce fused with residual add + RMSNorm (Triton), on the GPUs "
                     "of one node or on CPU ranks under Triton's interpreter.")
-    sub = p.add_subparsers(dest="command", metavar="{demo,bench,check}")
+    sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak}")
     sub.required = True
 
     d = sub.add_parser("demo", help="run every op at model shapes and a tensor-parallel MLP block, "
@@ -58,8 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(b)
 
     sub.add_parser("check", help="print what this machine supports and why",
-                   description="Print versions, GPUs, peer access, the interpreter, TPCOMM_* settings and "
-                               "the algorithms tpcomm would use.")
+                   description="Print versions, GPUs, peer access and links between every pair, the "
+                               "interpreter, TPCOMM_* settings, the algorithms available (and why not) and "
+                               "what a Communicator would do.")
+
+    s = sub.add_parser("soak", help="many steps of mixed calls under random rank skew, every result checked",
+                       description="Run STEPS steps, each a mix of fused calls (small and large token counts, "
+                                   "with and without residual, Gemma), all-reduces, all-gathers and "
+                                   "reduce-scatters under every algorithm, each rank delayed by a different "
+                                   "random time before every call; check every result exactly. Reports "
+                                   "steps, calls, mismatches, hangs; exit 1 on any.")
+    s.add_argument("--steps", type=_positive_int, default=200)
+    s.add_argument("--world", type=_positive_int, default=None,
+                   help="ranks (default: every visible GPU, or 2 CPU ranks)")
+    s.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds a kernel waits for a peer before the call counts as a hang (default 10)")
+    s.add_argument("--max-delay", type=float, default=None,
+                   help="largest random delay before a call: microseconds on GPU (default 20), seconds "
+                        "on CPU (default 0.03)")
     return p
 
 
@@ -76,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args)
     if args.command == "check":
         return check()
+    if args.command == "soak":
+        from . import soak
+
+        return soak.main(steps=args.steps, world_size=args.world, device=args.device, seed=args.seed,
+                         timeout_s=args.timeout, max_delay=args.max_delay)
     raise AssertionError(args.command)  # argparse refuses other commands
 
 
@@ -140,7 +164,7 @@ def check() -> int:
     except Exception as e:  # an old torch or a build without it
         symm = f"not importable ({type(e).__name__}: {e})"
     line("torch symmetric memory", symm)
-    shm_ok, shm = _shm_writable()
+    _, shm = _shm_writable()
     line("CPU workspace", shm)
 
     out.append("how ranks run")
@@ -156,7 +180,7 @@ def check() -> int:
          + (" (importing tpcomm sets it without CUDA)" if not cuda else ""))
 
     out.append("TPCOMM_* settings")
-    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS")
+    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE")
     for k in names:
         line(k, os.environ[k] if k in os.environ else "(unset)")
     others = sorted(k for k in os.environ if k.startswith("TPCOMM_") and k not in names)
@@ -172,22 +196,22 @@ def check() -> int:
         status = 1
         line("INVALID", str(e))
 
+    from . import topology
+
+    out.append("topology (tpcomm/topology.py)")
+    world = n if device == "cuda" else 2
+    topo = topology.probe()
+    out.extend("  " + ln for ln in topology.report_lines(topo, device, world))
+    kernels = topology.algorithm_availability(topo, device, world)[0][1]
+
     out.append("algorithms")
     line("choices (TPCOMM_ALGO)", ", ".join(env.ALGO_CHOICES))
-    if device == "cuda":
-        kernels, why = peer_ok, ("every GPU pair has peer access" if peer_ok
-                                 else "some GPU pair lacks peer access: calls fall back to NCCL")
-    else:
-        kernels, why = shm_ok, ("shared-memory workspace for CPU ranks" if shm_ok
-                                else "no shared memory for the CPU workspace: calls fall back to gloo")
-    line("kernels usable", f"{'yes' if kernels else 'no'} ({why})")
     if cfg is not None:
-        world = n if device == "cuda" else 2
         hidden = 4096
         for tokens in (1, 64, 4096):
-            for op in ("all_reduce", "fused_add_rmsnorm"):
+            for op in ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter"):
                 nbytes = tokens * hidden * 2
-                plan = dispatch.choose(op, world, nbytes, hidden if op != "all_reduce" else
+                plan = dispatch.choose(op, world, nbytes, hidden if op not in ("all_reduce", "all_gather") else
                                        min(tokens * hidden, dispatch.ALL_REDUCE_ROW), torch.bfloat16,
                                        forced=cfg.algo, kernels_available=kernels)
                 line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {plan.reason} "

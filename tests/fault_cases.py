@@ -1,0 +1,140 @@
+"""Rank bodies of the fault-injection tests (``tests/test_faults.py``): a peer that skips a call, calls
+another op, or calls with another size or dtype. Pool bodies: ``fn(ctx, *args)``.
+
+Each fault is a list of calls per rank (rank 1 is the faulty peer). Every rank runs its calls on a fresh
+communicator with a short timeout, after one call both ranks make (so both are in step and warm), and
+reports what it saw: the first exception (type, op, epoch, peer, message), how long it took, and any call
+that returned a wrong value without raising. Then every rank checks that a new communicator works (the
+documented remedy after a timeout).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import tpcomm
+from bad_input_cases import _catch, check_all_reduce, check_fused
+from harness import new_communicator
+from numerics import all_inputs, assert_same_bits, residual_input, weight_input
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+#: Grid cap of the faults' communicators (``TPCOMM_MAX_PROGRAMS``): 2, so that "same grid" needs only 3 rows.
+MAX_PROGRAMS = 2
+
+#: fault -> (calls of rank 0, calls of rank 1), a call being (op, shape, dtype). The grid is one program
+#: per row up to MAX_PROGRAMS.
+FAULTS = {
+    # rank 1 never makes the call
+    "skip": ([("fused", (2, 64), BF16)], []),
+    # rank 1 skips one call and makes the next, a smaller one: it meets rank 0's skipped call
+    "skip then next": ([("fused", (2, 64), BF16), ("all_reduce", (1, 64), BF16)],
+                       [("all_reduce", (1, 64), BF16)]),
+    # another op on the same tensor: fused rows of 40 (padded to 48 in the workspace) vs a flat all_reduce
+    "other op": ([("fused", (2, 40), BF16)], [("all_reduce", (2, 40), BF16)]),
+    # the peer sends fewer rows (grid 2 against 1)
+    "fewer rows": ([("fused", (2, 64), BF16)], [("fused", (1, 64), BF16)]),
+    # the peer sends more rows (grid 1 against 2)
+    "more rows": ([("fused", (1, 64), BF16)], [("fused", (2, 64), BF16)]),
+    # more rows on the same grid (2 programs both): every flag and epoch matches
+    "more rows, same grid": ([("fused", (2, 64), BF16)], [("fused", (3, 64), BF16)]),
+    # same shape and bytes, another dtype
+    "other dtype": ([("fused", (2, 64), BF16)], [("fused", (2, 64), FP16)]),
+}
+#: Faults of the ops with one kernel each (all-gather: push; reduce-scatter: two-shot's first half), run
+#: under the default dispatch only.
+GATHER_FAULTS = {
+    "all_gather, peer fewer rows": ([("all_gather", (2, 16), BF16)], [("all_gather", (1, 16), BF16)]),
+    "reduce_scatter, peer more rows": ([("reduce_scatter", (2, 16), BF16)], [("reduce_scatter", (4, 16), BF16)]),
+    "reduce_scatter against all_gather": ([("reduce_scatter", (2, 16), BF16)], [("all_gather", (2, 16), BF16)]),
+}
+FAULTS.update(GATHER_FAULTS)
+
+OP_NAMES = {"fused": "fused_add_rmsnorm", "all_reduce": "all_reduce", "all_gather": "all_gather",
+            "reduce_scatter": "reduce_scatter"}
+
+
+def expected_errors(fault: str) -> dict[int, tuple[str, int, int]]:
+    """``{rank: (op, call index, peer)}`` for every rank that makes a call it cannot complete: each must
+    raise PeerTimeoutError for its first call, naming that call's op, epoch and the other rank."""
+    calls = FAULTS[fault]
+    return {r: (OP_NAMES[calls[r][0][0]], 0, 1 - r) for r in (0, 1) if calls[r]}
+
+
+def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
+    """Make one call with seeded small-integer inputs; returns how its result differs from the right one
+    (empty when right)."""
+    xs = all_inputs(seed, world_size, shape, dtype, "int")
+    fails: list = []
+    if op == "all_reduce":
+        y = comm.all_reduce(xs[rank])
+        comm.check()
+        check_all_reduce(fails, y, xs)
+    elif op == "all_gather":
+        y = comm.all_gather(xs[rank])
+        comm.check()
+        _catch(fails, assert_same_bits, y, torch.cat(xs, 0), "all_gather")
+    elif op == "reduce_scatter":
+        y = comm.reduce_scatter(xs[rank])
+        comm.check()
+        share = torch.tensor_split(tpcomm.reduce_in_rank_order(xs), world_size, 0)[rank]
+        _catch(fails, assert_same_bits, y, share, "reduce_scatter")
+    else:
+        res = residual_input(seed, shape, dtype, "int")
+        w = weight_input(seed, shape[-1], dtype)
+        out, ro = comm.fused_add_rmsnorm(xs[rank], res, w)
+        comm.check()
+        check_fused(fails, out, ro, xs, res, w)
+    return fails
+
+
+def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
+    """Run ``fault`` on this rank (see FAULTS) on a fresh communicator forcing ``algo``: what the first
+    failing call raised, how long it took, which calls returned, and what the next call on the same
+    communicator raised (documented: the same error again, at once)."""
+    comm = new_communicator(timeout_s=timeout_s, algo=algo, env={"TPCOMM_MAX_PROGRAMS": MAX_PROGRAMS})
+    try:
+        dist.barrier()  # both ranks arrive at the first call together: it must not time out
+        warm = _call(comm, ctx.rank, ctx.world_size, 7000, "all_reduce", (1, 16), torch.float32)
+        epoch = comm.workspace.epoch()
+        seen, returned, again = None, [], None
+        t0 = time.perf_counter()
+        for i, (op, shape, dtype) in enumerate(FAULTS[fault][ctx.rank]):
+            try:
+                fails = _call(comm, ctx.rank, ctx.world_size, 7100 + i, op, shape, dtype)
+            except tpcomm.PeerTimeoutError as e:
+                seen = {"type": type(e).__name__, "op": e.op, "epoch": e.epoch, "peer": e.peer, "rank": e.rank,
+                        "message": str(e), "call": i}
+                break
+            except Exception as e:  # a wrong exception type is a finding, not a harness failure
+                seen = {"type": type(e).__name__, "message": str(e), "call": i}
+                break
+            what = f"call {i} ({OP_NAMES[op]} {tuple(shape)} {str(dtype)[6:]}) returned without an error"
+            returned.append(f"{what}, and wrong: " + "; ".join(f[:200] for f in fails) if fails
+                            else f"{what} (its values happen to be right)")
+        elapsed = time.perf_counter() - t0
+        if seen is not None:
+            t1 = time.perf_counter()
+            try:
+                comm.all_reduce(torch.ones(1, 16))
+            except Exception as e:
+                again = {"type": type(e).__name__, "isinstance": isinstance(e, tpcomm.PeerTimeoutError),
+                         "seconds": time.perf_counter() - t1}
+        dist.barrier()  # every rank has finished (or given up on) its calls before the next case
+        return {"warm": warm, "epoch": epoch, "seen": seen, "returned": returned, "elapsed": elapsed,
+                "again": again}
+    finally:
+        comm.close()
+
+
+def fault_batch(ctx, runs: list[tuple[str, str | None]], timeout_s: float) -> dict:
+    """``fault_case`` for each ``(fault, algo)`` of ``runs``, in order: ``{"fault[algo]": result}``;
+    then a call on a new communicator, the documented remedy (``"after"``: its failures, empty when
+    right)."""
+    results = {f"{fault}[{algo}]": fault_case(ctx, fault, algo, timeout_s) for fault, algo in runs}
+    with new_communicator(timeout_s=timeout_s) as fresh:
+        results["after"] = _call(fresh, ctx.rank, ctx.world_size, 7200, "fused", (2, 64), BF16)
+    return results

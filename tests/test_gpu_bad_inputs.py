@@ -1,0 +1,34 @@
+"""The bad-input matrix on 2 GPUs (NCCL group, symmetric memory): every CPU case of
+``tests/test_bad_inputs.py`` plus the GPU-only rows: a CPU tensor or a tensor on the other GPU given to
+a GPU communicator (each tensor argument in turn), and sizes exactly at and one past the Lamport limit
+and the default 32 MiB workspace. Marked ``gpu``; skipped without two GPUs. Run on the GPU machine:
+``python -m pytest -q -m gpu tests/test_gpu_bad_inputs.py``."""
+
+import pytest
+import torch
+
+import bad_input_cases
+from numerics import Checks
+from test_bad_inputs import check_outcome
+from tpcomm.launch import launch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+
+NAMES = list(bad_input_cases.CASES)
+GPU_NAMES = list(bad_input_cases.GPU_EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    """Per rank: ``{case: summary}`` from one launch running every case on 2 GPUs."""
+    return launch(bad_input_cases.gpu_body, 2, "cuda", args=(NAMES,), timeout_s=600)
+
+
+@pytest.mark.parametrize("case", NAMES + GPU_NAMES)
+def test_gpu_bad_input(matrix, case):
+    """The case's documented outcome on both GPUs (see test_bad_inputs.test_bad_input)."""
+    expected = bad_input_cases.EXPECTED.get(case) or bad_input_cases.GPU_EXPECTED[case]
+    check = Checks()
+    check_outcome(check, [per_rank[case] for per_rank in matrix], case, expected)
+    check.done()
