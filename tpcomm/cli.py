@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tpcomm",
         description="Tensor-parallel all-reduce fused with residual add + RMSNorm (Triton), on the GPUs "
                     "of one node or on CPU ranks under Triton's interpreter.")
-    sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak}")
+    sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak,tune}")
     sub.required = True
 
     d = sub.add_parser("demo", help="run every op at model shapes and a tensor-parallel MLP block, "
@@ -79,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-delay", type=float, default=None,
                    help="largest random delay before a call: microseconds on GPU (default 20), seconds "
                         "on CPU (default 0.03)")
+
+    t = sub.add_parser("tune", help="measure the dispatch's crossovers on this machine's GPUs and write a "
+                                    "table (GPU only)",
+                       description="Time every algorithm the dispatch can choose (each forced, checked, in "
+                                   "CUDA graphs, slowest rank, median) for all_reduce and fused_add_rmsnorm "
+                                   "over a sweep of message sizes; derive lamport_max_bytes and "
+                                   "two_shot_min_bytes; write the crossover table (load it with "
+                                   "TPCOMM_DISPATCH_TABLE) and the raw measurements. docs/tuning.md.")
+    from .tune.command import add_tune_arguments
+
+    add_tune_arguments(t)
     return p
 
 
@@ -100,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return soak.main(steps=args.steps, world_size=args.world, device=args.device, seed=args.seed,
                          timeout_s=args.timeout, max_delay=args.max_delay)
+    if args.command == "tune":
+        from .tune.command import run_tune
+
+        return run_tune(args)
     raise AssertionError(args.command)  # argparse refuses other commands
 
 
