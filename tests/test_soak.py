@@ -40,6 +40,9 @@ def test_soak_counts_a_wrong_result(pools):
 #: A seed whose step 0 makes a kernel all_gather on the default communicator (the call rank 1 skips), in
 #: the middle of the step, and whose step 1 makes none there (checked in the test).
 HANG_SEED = 35
+#: The communicators' timeout there: it also bounds every correct call of the soak, and on 2 cores shared
+#: by several test runs a rank can fall half a second behind its peer (0.5 s gave a second, false hang).
+HANG_TIMEOUT_S = 2.0
 
 
 def test_soak_counts_a_hang_and_goes_on(pools):
@@ -52,7 +55,7 @@ def test_soak_counts_a_hang_and_goes_on(pools):
                for s in (0, 1)]
     assert gathers[0].algorithm == "auto" and not gathers[0].small, gathers  # skipped: a kernel call
     assert gathers[1].algorithm == "fallback" or gathers[1].small, gathers  # not skipped again
-    per_rank = pools.get(2).run(soak_cases.pool_soak, {"steps": 2, "seed": HANG_SEED, "timeout_s": 0.5},
+    per_rank = pools.get(2).run(soak_cases.pool_soak, {"steps": 2, "seed": HANG_SEED, "timeout_s": HANG_TIMEOUT_S},
                                 ("all_gather", 0, 1, "skip"))
     report, ok = soak.summarize(_cfg(2), per_rank, 0.0)
     assert not ok
