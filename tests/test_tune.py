@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-import torch
 
 import tune_cases
 from tpcomm import dispatch
@@ -197,8 +196,9 @@ def _item(op, n, algo, us=None, tokens=None, **kw):
 
 
 def test_merge_takes_the_slowest_rank_per_replay_then_the_median():
-    r0 = {"items": [_item("all_reduce", 8192, "one_shot", [1.0, 5.0, 2.0, 9.0]), _item("all_reduce", 8192, "two_shot", na="x")]}
-    r1 = {"items": [_item("all_reduce", 8192, "one_shot", [3.0, 1.0, 4.0]), _item("all_reduce", 8192, "two_shot", na="x")]}
+    na = _item("all_reduce", 8192, "two_shot", na="x")
+    r0 = {"items": [_item("all_reduce", 8192, "one_shot", [1.0, 5.0, 2.0, 9.0]), na]}
+    r1 = {"items": [_item("all_reduce", 8192, "one_shot", [3.0, 1.0, 4.0]), na]}
     m = merge_ranks([r0, r1])
     assert m[0]["times_us"] == [3.0, 5.0, 4.0] and m[0]["median_us"] == 4.0 and m[0]["replays"] == 3
     assert m[0]["min_us"] == 3.0 and m[0]["max_us"] == 5.0
@@ -218,7 +218,8 @@ def test_merge_reports_an_error_of_any_rank_and_refuses_misaligned_ranks():
 
 def test_by_op_arranges_sizes_and_algorithms():
     merged = merge_ranks([{"items": [
-        _item("fused_add_rmsnorm", 24576, "lamport", [3.0], tokens=2), _item("fused_add_rmsnorm", 24576, "one_shot", [4.0], tokens=2),
+        _item("fused_add_rmsnorm", 24576, "lamport", [3.0], tokens=2),
+        _item("fused_add_rmsnorm", 24576, "one_shot", [4.0], tokens=2),
         _item("fused_add_rmsnorm", 12288, "one_shot", [2.0], tokens=1), _item("all_reduce", 8192, "one_shot", [1.0])]}])
     t = by_op(merged, "fused_add_rmsnorm")
     assert t.sizes == [12288, 24576] and t.tokens == [1, 2]

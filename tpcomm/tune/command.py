@@ -158,8 +158,8 @@ def describe_sweep(cfg) -> str:
             parts.append(f"fused_add_rmsnorm at {len(sizes)} token counts ({sizes[0][1]}..{sizes[-1][1]}) "
                          f"x {cfg.hidden}")
     return (f"tpcomm tune: {'; '.join(parts)}; {cfg.dtype}; {cfg.world_size} GPUs; each algorithm forced "
-            f"(lamport up to {format_bytes(LAMPORT_MAX_BYTES)} for 16-bit, one_shot, two_shot), checked, then timed in a CUDA graph of "
-            f"up to {cfg.graph_calls} calls, median of up to {cfg.replays} replays, slowest rank.")
+            f"(lamport up to {format_bytes(LAMPORT_MAX_BYTES)} for 16-bit, one_shot, two_shot), checked, then "
+            f"timed in a CUDA graph of up to {cfg.graph_calls} calls, median of up to {cfg.replays} replays, slowest rank.")
 
 
 def finish(cfg, per_rank: list[dict], out: str, command: str, wall_s: float = 0.0,
@@ -203,8 +203,8 @@ def finish(cfg, per_rank: list[dict], out: str, command: str, wall_s: float = 0.
           f"{wall_s:.0f} s (estimated {estimated_s:.0f} s). µs per call, median of the slowest rank; "
           "* fastest; default pick shown where it differs.")
     for op, t in times.items():
-        print(f"\n### {op}, world {cfg.world_size}, {cfg.dtype}" + (f", hidden {cfg.hidden}" if op != "all_reduce" else "")
-              + "\n\n" + op_table(t, cfg, table))
+        shape = f", hidden {cfg.hidden}" if op != "all_reduce" else ""
+        print(f"\n### {op}, world {cfg.world_size}, {cfg.dtype}{shape}\n\n" + op_table(t, cfg, table))
     print(f"\nrule: {rule_text(cfg)}")
     for op in cfg.ops:
         print("\n".join(threshold_lines(op, cfg, derived[op], table, diffs[op])))

@@ -128,7 +128,8 @@ def derive(sizes: list[int], times: dict[str, list[float | None]], margin: Margi
                 others = [t for t in (one[i], two[i]) if t is not None]
                 if lam[i] is not None and others and all(margin.beats(lam[i], t) for t in others):
                     notes.append(f"Lamport beats the others again at {format_bytes(sizes[i])} after losing at "
-                                 f"{format_bytes(sizes[stop])}: kept only up to {format_bytes(lamport_max)} (noise? run again)")
+                                 f"{format_bytes(sizes[stop])}: kept only up to {format_bytes(lamport_max)} "
+                                 "(noise? run again)")
                     break
 
     # Two-shot: contiguous from the largest size while one-shot does not beat it; the threshold is the

@@ -42,7 +42,8 @@ def merge_ranks(per_rank: list[dict]) -> list[dict]:
         same = [r["items"][i] for r in per_rank]
         head = {k: same[0][k] for k in keys}
         if any({k: it[k] for k in keys} != head for it in same):
-            raise ValueError(f"merge_ranks: item {i} differs between ranks: {[{k: it[k] for k in keys} for it in same]}")
+            raise ValueError(f"merge_ranks: item {i} differs between ranks: "
+                             f"{[{k: it[k] for k in keys} for it in same]}")
         entry = {**head, "calls": same[0].get("calls")}
         for kind in ("error", "na"):
             found = next((it[kind] for it in same if kind in it), None)
