@@ -464,7 +464,8 @@ for _algo in ("lamport", "one_shot"):
 CASES["fused expanded x (stride 0)"] = lambda k: _fused_layout(k, 32, "expanded", None)
 CASES["fused x[1:] of a flat buffer, residual[:, ::2]"] = (
     lambda k: _fused_layout(k, 33, "offset", None, res_layout="strided"))
-CASES["all_reduce out=x[1:] of a flat buffer"] = lambda k: _all_reduce_layout(k, 34, "flat", None, out_layout="offset")
+CASES["all_reduce out=x[1:] of a flat buffer"] = (
+    lambda k: _all_reduce_layout(k, 34, "flat", None, out_layout="offset"))
 CASES["all_reduce out=out[:, ::2]"] = lambda k: _all_reduce_layout(k, 35, "flat", None, out_layout="strided")
 CASES["all_reduce out=out.t()"] = lambda k: _all_reduce_layout(k, 36, "flat", None, out_layout="transposed")
 
@@ -702,7 +703,8 @@ def _gpu_sizes() -> dict:
     lam_rows = dispatch.LAMPORT_MAX_BYTES // (2 * H)  # 512 rows of 4096 bf16
     ws_rows = DEFAULT_MAX_BYTES_CUDA // (2 * H)  # 4096 rows
     return {
-        f"fused exactly the Lamport limit ({lam_rows} x {H} bf16)": lambda k: _fused_rows(k, 60, lam_rows, H, None, None),
+        f"fused exactly the Lamport limit ({lam_rows} x {H} bf16)":
+            lambda k: _fused_rows(k, 60, lam_rows, H, None, None),
         f"fused one row past the Lamport limit ({lam_rows + 1} x {H} bf16)":
             lambda k: _fused_rows(k, 61, lam_rows + 1, H, None, None),
         f"fused exactly the default max_bytes ({ws_rows} x {H} bf16) [one_shot]":

@@ -73,8 +73,8 @@ def test_the_reliability_doc_has_a_row_per_case():
     rows = [bad_input_cases.doc_row(n, o) for n, o in bad_input_cases.EXPECTED.items()]
     rows += [bad_input_cases.doc_row(n, o, gpu=True) for n, o in bad_input_cases.GPU_EXPECTED.items()]
     missing = [row for row in rows if row not in text]
-    assert not missing, "rows missing from docs/reliability.md (print them with `PYTHONPATH=. python tests/bad_input_cases.py`):\n" + \
-        "\n".join(missing)
+    assert not missing, ("rows missing from docs/reliability.md (print the table with "
+                         "`PYTHONPATH=. python tests/bad_input_cases.py`):\n" + "\n".join(missing))
 
 
 @pytest.mark.parametrize("layout", ["flat", "offset", "strided", "transposed", "expanded"])

@@ -23,7 +23,8 @@ def test_short_soak_passes(pools):
     report, ok = soak.summarize(_cfg(CI_STEPS), per_rank, 0.0)
     assert ok, report
     for r in per_rank:
-        assert (r["steps"], r["calls"], r["mismatches"], r["hangs"]) == (CI_STEPS, CI_STEPS * len(soak.KINDS), 0, 0)
+        want = (CI_STEPS, CI_STEPS * len(soak.KINDS), 0, 0)
+        assert (r["steps"], r["calls"], r["mismatches"], r["hangs"]) == want, report
     assert "mismatches 0, hangs 0, checksums agree" in report
 
 
@@ -55,7 +56,8 @@ def test_soak_counts_a_hang_and_goes_on(pools):
                for s in (0, 1)]
     assert gathers[0].algorithm == "auto" and not gathers[0].small, gathers  # skipped: a kernel call
     assert gathers[1].algorithm == "fallback" or gathers[1].small, gathers  # not skipped again
-    per_rank = pools.get(2).run(soak_cases.pool_soak, {"steps": 2, "seed": HANG_SEED, "timeout_s": HANG_TIMEOUT_S},
+    cfg = {"steps": 2, "seed": HANG_SEED, "timeout_s": HANG_TIMEOUT_S}
+    per_rank = pools.get(2).run(soak_cases.pool_soak, cfg,
                                 ("all_gather", 0, 1, "skip"))
     report, ok = soak.summarize(_cfg(2), per_rank, 0.0)
     assert not ok

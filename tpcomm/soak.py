@@ -22,11 +22,11 @@ within the contract's ulps of :func:`tpcomm.add_rmsnorm_reference` (one for 16-b
 the ranks compare a checksum of every output bit they produced (the contract says every rank holds the
 same bits; reduce-scatter shares excepted).
 
-A call that raises :class:`~tpcomm.PeerTimeoutError` is a hang: the rank goes on with the step's other calls
-(so that the calls through ``torch.distributed`` keep matching; kernel calls on a broken communicator
-raise at once), the ranks agree at the end of the step (a ``torch.distributed`` all-reduce of a flag)
-and all of them replace their communicators, then go on. Reports steps, calls, mismatches, hangs, elapsed time and the step rate;
-exit status 1 on any mismatch, hang or checksum disagreement.
+A call that raises :class:`~tpcomm.PeerTimeoutError` is a hang: the rank goes on with the step's other
+calls (so that the calls through ``torch.distributed`` keep matching; kernel calls on a broken
+communicator raise at once), the ranks agree at the end of the step (a ``torch.distributed`` all-reduce
+of a flag) and all of them replace their communicators, then go on. Reports steps, calls, mismatches,
+hangs, elapsed time and the step rate; exit status 1 on any mismatch, hang or checksum disagreement.
 """
 
 from __future__ import annotations
@@ -337,8 +337,8 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig, make_comms=None) -> d
         counts["steps"] += 1
         step_s.append(time.perf_counter() - t0)
         if rank == 0 and cfg.progress_every and (step + 1) % cfg.progress_every == 0:
-            print(f"  step {step + 1}/{cfg.steps}: {time.perf_counter() - t_start:.1f} s, calls {counts['calls']}, "
-                  f"mismatches {counts['mismatches']} (rank 0), hangs {counts['hangs']}", flush=True)
+            print(f"  step {step + 1}/{cfg.steps}: {time.perf_counter() - t_start:.1f} s, "
+                  f"calls {counts['calls']}, mismatches {counts['mismatches']} (rank 0), hangs {counts['hangs']}", flush=True)
     for c in comms:
         c.close()
     counts.update(tally={f"{k}|{a}": n for (k, a), n in sorted(tally.items())}, checksum=int(checksum.item()),
@@ -363,8 +363,9 @@ def summarize(cfg: SoakConfig, per_rank: list[dict], wall_s: float) -> tuple[str
     steady = step_s[len(step_s) // 2:]  # the second half: after the kernels have compiled
     rate = len(steady) / sum(steady) if steady and sum(steady) > 0 else float("nan")
     lines = [tabulate(rows, headers=["call", "algorithm (plan)", "calls"], tablefmt="github"), ""]
+    agree = "agree" if len(checksums) == 1 else "DIFFER"
     lines.append(f"steps {steps}, calls {calls} per rank ({cfg.world_size} ranks, {cfg.device}), "
-                 f"mismatches {mismatches}, hangs {hangs}, checksums {'agree' if len(checksums) == 1 else 'DIFFER'}")
+                 f"mismatches {mismatches}, hangs {hangs}, checksums {agree}")
     if step_s:
         lines.append(f"elapsed {wall_s:.1f} s (ranks' loop {max(r['elapsed_s'] for r in per_rank):.1f} s; "
                      f"first step {step_s[0]:.2f} s; second half {rate:.1f} steps/s, "
