@@ -31,11 +31,12 @@ class Slots:
     weight: torch.Tensor | None
 
     def load(self, k: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None):
-        """Copy one set of inputs into set ``k`` (and the shared residual and weight)."""
+        """Copy one set of inputs into set ``k``; with set 0, also the shared residual and weight (so a
+        refill of every set copies them once)."""
         self.x[k].copy_(x)
-        if residual is not None:
+        if k == 0 and residual is not None:
             self.residual.copy_(residual)
-        if weight is not None:
+        if k == 0 and weight is not None:
             self.weight.copy_(weight)
 
 

@@ -42,7 +42,8 @@ def _comm():
 
 
 class _TrtllmWorkspace:
-    """One ``trtllm_create_ipc_workspace_for_all_reduce_fusion`` for the sweep (collective)."""
+    """One ``trtllm_create_ipc_workspace_for_all_reduce_fusion`` for the sweep (collective); kept until
+    the ranks exit."""
 
     def __init__(self, ctx):
         fc = _comm()
@@ -52,12 +53,6 @@ class _TrtllmWorkspace:
             self.ipc, self.ptrs, self.meta = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(
                 ctx.rank, ctx.world_size, ctx.max_tokens, ctx.max_hidden, use_fp32_lamport=False,
                 group=dist.group.WORLD, create_metadata=True)
-
-    def close(self):
-        fc = _comm()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fc.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self.ipc, dist.group.WORLD)
 
 
 class _Trtllm(Contender):
@@ -121,9 +116,6 @@ class _Trtllm(Contender):
                 return call(k)
         return Bound(call=quiet, outputs=lambda r: r, poison=lambda: poison(keep), keep=keep,
                      note="one-shot" if self.oneshot else "two-shot")
-
-    def close(self) -> None:
-        pass
 
 
 class TrtllmOneShot(_Trtllm):

@@ -30,23 +30,11 @@ def has_fp8_quant(comm) -> bool:
         return False
 
 
-def fp8_outputs(result, dtype: torch.dtype) -> dict:
-    """Names the tensors of the FP8 fused call's result: the float8 tensor is ``q``, the float32 one
-    ``scale``, and of the tensors in the input dtype the last is ``residual_out`` (a result of
-    ``(q, scale, residual_out)`` or ``(q, scale, out, residual_out)``). A result object with attributes of
-    those names is read directly."""
-    if all(hasattr(result, a) for a in ("q", "scale", "residual_out")):
-        return {"q": result.q, "scale": result.scale, "residual_out": result.residual_out}
-    tensors = [t for t in result if isinstance(t, torch.Tensor)]
-    named = {}
-    for t in tensors:
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-            named["q"] = t
-        elif t.dtype == torch.float32 and dtype != torch.float32:
-            named["scale"] = t
-        elif t.dtype == dtype:
-            named["residual_out"] = t
-    return named
+def fp8_outputs(result) -> dict:
+    """Names the result of ``fused_add_rmsnorm(..., quant="fp8_per_token")``: ``(q, scales, residual_out,
+    out)`` (``out`` None without ``emit_unquantized``)."""
+    q, scales, residual_out = result[0], result[1], result[2]
+    return {"q": q, "scale": scales, "residual_out": residual_out}
 
 
 class Tpcomm(Contender):
@@ -68,7 +56,7 @@ class Tpcomm(Contender):
                          outputs=lambda r: {"out": r[0], "residual_out": r[1]}, note=note)
         if op == "fused_fp8":
             return Bound(call=lambda k: comm.fused_add_rmsnorm(x[k], res, w, eps, quant=FP8_QUANT),
-                         outputs=lambda r: fp8_outputs(r, case.dtype), note=note)
+                         outputs=fp8_outputs, note=note)
         if op == "all_reduce":
             return Bound(call=lambda k: comm.all_reduce(x[k]), outputs=lambda r: {"sum": r}, note=note)
         if op == "all_gather":
