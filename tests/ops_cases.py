@@ -319,3 +319,17 @@ def warmup_case(ctx, shapes):
     comm.close()
     return {"calls": calls, "count": len(warmed), "seen": seen, "guard": guard is not None,
             "inside": inside.shape == x.shape, "closed": _error(lambda: tgraphs.capture_guard(comm).__enter__())}
+
+
+# -- test_example_tp_decoder -------------------------------------------------------------------------------
+def example_case(ctx, cfg_fields):
+    """``examples/tp_decoder.py``'s rank body on this pool's ranks (no new processes)."""
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import tp_decoder
+
+    return tp_decoder.run_rank(ctx.rank, ctx.world_size, cfg_fields)
