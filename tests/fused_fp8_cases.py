@@ -1,0 +1,252 @@
+"""Rank bodies of the fused FP8 tests (``tests/test_fused_fp8.py``), and the FP8 helpers they share with
+the GPU bodies (``tests/gpu_fused_fp8_cases.py``).
+
+A case is a :class:`Fp8Case`. Its body rebuilds every rank's input from the seed, makes the quantised
+fused call (``Communicator.fused_add_rmsnorm(..., quant=...)``) and the same call without ``quant`` on
+the same communicator and algorithm, quantises the unquantised ``out`` with the standalone Triton quant
+(``tpcomm.quant``) and the plain-torch oracle (``tpcomm.reference``), computes the float32 reference of
+the norm, and returns the tensors; the assertions live in the test file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import tpcomm
+from numerics import all_inputs, residual_input, weight_input
+from tpcomm.quant import per_group_quant_fp8, per_token_quant_fp8
+from tpcomm.reference import per_group_quant_reference, per_token_quant_reference
+
+#: Per FP8 format: the byte of every NaN, the magnitude bits of +-MAX, the smallest normal (2^-6 e4m3fn,
+#: 2^-7 e4m3fnuz: below it the FP8 step is that of the subnormals).
+NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80}
+MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e4m3fnuz: 0x7F}
+MIN_NORMAL = {torch.float8_e4m3fn: 2.0 ** -6, torch.float8_e4m3fnuz: 2.0 ** -7}
+#: The float32 NaN every NaN scale has (``tpcomm.kernels.quant``).
+SCALE_NAN_BITS = 0x7FC00000
+#: Mantissa bits of both FP8 formats (e4m3): one FP8 step in [2^e, 2^(e+1)) is 2^(e - 3).
+FP8_MANTISSA_BITS = 3
+
+
+@dataclass(frozen=True)
+class Fp8Case:
+    """One quantised fused call.
+
+    Attributes:
+        seed: inputs (``numerics.all_inputs``; the same on every rank).
+        shape: ``x``'s shape ``(T, H)`` or ``(B, S, H)``.
+        dtype, w_dtype: input and norm-weight dtypes (``w_dtype`` None: the input's).
+        algo: forced with ``Communicator.use_algorithm`` (lamport, one_shot, two_shot, fallback).
+        quant: ``fp8_per_token`` or ``fp8_per_group``; fp8: the FP8 dtype; group: ``group_size``.
+        column_major: ``column_major_scales``; residual, gemma, emit: the call's options.
+        max_bytes: the communicator's (None: default; small: the call runs in several launches).
+        special: overwrite rows 0..3 with zeros, a dominant element, a NaN and huge values (T >= 4).
+        peak: every row of rank 0's ``x`` gets 1000 at column H - 3, so a row's amax lies in its last
+            tile (rows wider than one tile) and its last group.
+    """
+
+    seed: int
+    shape: tuple
+    dtype: torch.dtype
+    algo: str
+    quant: str
+    fp8: torch.dtype = torch.float8_e4m3fn
+    group: int = 32
+    column_major: bool = False
+    residual: bool = True
+    gemma: bool = False
+    emit: bool = False
+    w_dtype: torch.dtype | None = None
+    max_bytes: int | None = None
+    special: bool = False
+    peak: bool = False
+
+    def kwargs(self) -> dict:
+        """The quant keyword arguments of ``fused_add_rmsnorm``."""
+        return dict(quant=self.quant, fp8_dtype=self.fp8, group_size=self.group,
+                    column_major_scales=self.column_major, emit_unquantized=self.emit)
+
+
+# -- FP8 helpers (CPU and GPU bodies) -----------------------------------------------------------------------
+def standalone_quant(out2d: torch.Tensor, quant: str, fp8, group: int, column_major: bool):
+    """``tpcomm.quant``'s Triton quant of a ``(T, H)`` output: ``(q, scales)``."""
+    if quant == "fp8_per_token":
+        return per_token_quant_fp8(out2d, fp8)
+    return per_group_quant_fp8(out2d, group, fp8, column_major_scales=column_major)
+
+
+def reference_quant(out2d: torch.Tensor, quant: str, fp8, group: int, column_major: bool):
+    """``tpcomm.reference``'s plain-torch quant of a ``(T, H)`` output: ``(q, scales)``."""
+    if quant == "fp8_per_token":
+        return per_token_quant_reference(out2d, fp8)
+    return per_group_quant_reference(out2d, group, fp8, column_major_scales=column_major)
+
+
+def expand_scales(scales2d: torch.Tensor, H: int) -> torch.Tensor:
+    """``(T, G)`` scales (G = 1 per token) repeated to one per element: ``(T, H)`` float32."""
+    return scales2d.repeat_interleave(H // scales2d.shape[1], dim=1)
+
+
+def dequantize(q2d: torch.Tensor, scales2d: torch.Tensor) -> torch.Tensor:
+    """``f32(q) * scale`` per element, ``(T, H)`` float32."""
+    return q2d.to(torch.float32) * expand_scales(scales2d.float(), q2d.shape[1])
+
+
+def fp8_step(y: torch.Tensor, scale: torch.Tensor, fp8) -> torch.Tensor:
+    """One FP8 step at ``y / scale``, in ``y``'s units: ``2^(floor(log2 |y / scale|) - 3) * scale``, with
+    ``|y / scale|`` raised to the smallest normal (below it the subnormal step is constant)."""
+    a = (y / scale).abs().clamp(min=MIN_NORMAL[fp8])
+    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    return torch.ldexp(torch.ones_like(a), e - 1 - FP8_MANTISSA_BITS) * scale
+
+
+def norm_f32(v: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """The contract's ``y`` before its rounding to T: ``v * rsqrt(mean(v^2) + eps) * w'``, float32."""
+    v = v.to(torch.float32)
+    wf = w.to(torch.float32)
+    if gemma:
+        wf = 1.0 + wf
+    return v * (1.0 / torch.sqrt((v * v).mean(dim=-1, keepdim=True) + eps)) * wf
+
+
+def special_inputs(xs: list, res, dtype: torch.dtype, rank_of_nan: int) -> None:
+    """Overwrite rows 0..3 of every rank's ``x`` (and of ``res``) in place, as a test of the scale rules:
+    row 0 zeros everywhere (out 0: scale 1); row 1 one element 1000 on rank 0, at column H - 3 (the last
+    group; it holds the row's amax: its byte is +-MAX); row 2 a NaN on ``rank_of_nan`` (the whole row of out is NaN: scale NaN, NaN
+    bytes); row 3 huge values (bf16/fp32: 1e20, whose squares overflow float32, so the norm gives 0 and
+    the scale 1; fp16: 2000 times the random values, a large finite row)."""
+    for x in xs:
+        x[0] = 0.0
+    if res is not None:
+        res[0] = 0.0
+    xs[0][1, -3] = 1000.0
+    xs[rank_of_nan][2, 5] = float("nan")
+    for x in xs:
+        if dtype == torch.float16:
+            x[3] = x[3] * 2000.0
+        else:
+            x[3] = torch.where(x[3] < 0, -1e20, 1e20).to(dtype)
+
+
+# -- rank bodies ------------------------------------------------------------------------------------------
+def fp8_case(ctx, case: Fp8Case) -> dict:
+    """Run ``case`` (see the module docstring). Returns the quantised call's ``q`` (uint8), ``scales``,
+    ``residual_out`` and ``out``; ``plain_out`` / ``plain_ro`` of the call without ``quant``;
+    ``std_q`` / ``std_s`` (Triton quant of ``out`` if emitted, else of ``plain_out``) and ``ref_q`` /
+    ``ref_s`` (torch quant of ``plain_out``), both on the ``(T, H)`` view; ``ro_ref`` and ``y32`` (float32
+    reference of the norm); the plan, the launches of the call; and, with ``max_bytes``, ``whole_*``:
+    the same call on a default communicator (one launch)."""
+    comm = ctx.comm(case.max_bytes)
+    shape, dtype = tuple(case.shape), case.dtype
+    H = shape[-1]
+    xs = all_inputs(case.seed, ctx.world_size, shape, dtype)
+    res = residual_input(case.seed, shape, dtype) if case.residual else None
+    w = weight_input(case.seed, H, case.w_dtype or dtype, case.gemma)
+    if case.special:
+        special_inputs([x.view(-1, H) for x in xs], res.view(-1, H) if res is not None else None, dtype,
+                       ctx.world_size - 1)
+    if case.peak:
+        xs[0][..., H - 3] = 1000.0
+    x = xs[ctx.rank]
+    with comm.use_algorithm(case.algo):
+        before = comm.workspace.epoch() if comm.workspace is not None else 0
+        q, scales, ro, out = comm.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma, **case.kwargs())
+        launches = (comm.workspace.epoch() if comm.workspace is not None else 0) - before
+        plain_out, plain_ro = comm.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma)
+        plan = comm.plan("fused_add_rmsnorm", x.numel() * x.element_size(), H, dtype).algorithm
+    args = (case.quant, case.fp8, case.group, case.column_major)
+    own = out if out is not None else plain_out
+    std_q, std_s = standalone_quant(own.reshape(-1, H), *args)
+    ref_q, ref_s = reference_quant(plain_out.reshape(-1, H), *args)
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    _, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6, case.gemma)
+    y32 = norm_f32(ro_ref if res is not None else s_ref, w, 1e-6, case.gemma)
+    result = {"q": q.view(torch.uint8), "q_dtype": q.dtype, "scales": scales, "ro": ro, "out": out,
+              "plain_out": plain_out, "plain_ro": plain_ro, "std_q": std_q.view(torch.uint8), "std_s": std_s,
+              "ref_q": ref_q.view(torch.uint8), "ref_s": ref_s, "ro_ref": ro_ref, "y32": y32,
+              "plan": plan, "launches": launches}
+    if case.max_bytes is not None:
+        whole = ctx.comm()
+        with whole.use_algorithm(case.algo):
+            wq, ws, wro, wout = whole.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma, **case.kwargs())
+        result.update(whole_q=wq.view(torch.uint8), whole_s=ws, whole_ro=wro, whole_out=wout)
+    return result
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # the test decides which types are right
+        return type(e).__name__, str(e)
+    return None
+
+
+def _bad_fp8_call(comm, name: str):
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    r = torch.randn(4, 96, dtype=torch.bfloat16)
+    w = torch.ones(96, dtype=torch.bfloat16)
+    f = comm.fused_add_rmsnorm
+    calls = {
+        "quant_unknown": lambda: f(x, r, w, quant="fp8_per_channel"),
+        "quant_upper_case": lambda: f(x, r, w, quant="FP8_PER_TOKEN"),
+        "fp8_dtype_e5m2": lambda: f(x, r, w, quant="fp8_per_token", fp8_dtype=torch.float8_e5m2),
+        "fp8_dtype_bf16": lambda: f(x, r, w, quant="fp8_per_group", fp8_dtype=torch.bfloat16, group_size=32),
+        "group_not_power_of_two": lambda: f(x, r, w, quant="fp8_per_group", group_size=48),
+        "group_not_dividing_h": lambda: f(x, r, w, quant="fp8_per_group", group_size=64),
+        "group_default_not_dividing_h": lambda: f(x, r, w, quant="fp8_per_group"),
+        "group_zero": lambda: f(x, r, w, quant="fp8_per_group", group_size=0),
+        "group_float": lambda: f(x, r, w, quant="fp8_per_group", group_size=32.0),
+        "column_major_per_token": lambda: f(x, r, w, quant="fp8_per_token", column_major_scales=True),
+        "column_major_3d": lambda: f(x.view(2, 2, 96), r.view(2, 2, 96), w, quant="fp8_per_group",
+                                     group_size=32, column_major_scales=True),
+        "emit_without_quant": lambda: f(x, r, w, emit_unquantized=True),
+        "column_major_without_quant": lambda: f(x, r, w, column_major_scales=True),
+    }
+    return calls[name]
+
+
+def fp8_bad_inputs_case(ctx, names: list) -> dict:
+    """``{name: (exception type, message) or None}`` for each bad call, then a good quantised call (the
+    ranks must still be in step): ``after`` = its ``(q, scales)``, ``after_ref`` = the torch quant of its
+    emitted ``out``."""
+    comm = ctx.comm()
+    seen = {name: _error(_bad_fp8_call(comm, name)) for name in names}
+    x = torch.full((2, 32), float(ctx.rank + 1), dtype=torch.bfloat16)
+    q, s, _, out = comm.fused_add_rmsnorm(x, None, torch.ones(32, dtype=torch.bfloat16),
+                                          quant="fp8_per_token", emit_unquantized=True)
+    rq, rs = per_token_quant_reference(out)
+    return {"errors": seen, "after": (q.view(torch.uint8), s), "after_ref": (rq.view(torch.uint8), rs)}
+
+
+#: (name, shape, quant kwargs) of the zero-token calls.
+ZERO_TOKEN_CALLS = [
+    ("per_token", (0, 64), dict(quant="fp8_per_token", emit_unquantized=True)),
+    ("per_group", (0, 64), dict(quant="fp8_per_group", group_size=16, fp8_dtype=torch.float8_e4m3fnuz)),
+    ("per_group_column_major", (0, 64), dict(quant="fp8_per_group", group_size=32, column_major_scales=True,
+                                             emit_unquantized=True)),
+    ("per_group_3d", (2, 0, 64), dict(quant="fp8_per_group", group_size=32)),
+]
+
+
+def fp8_zero_tokens_case(ctx) -> dict:
+    """Each of ZERO_TOKEN_CALLS on every rank: ``{name: [(shape, dtype, strides) or None for q, scales,
+    residual_out, out]}`` (empty views do not survive pickling whole), the epoch
+    before and after (no launch may happen), and a quantised call of one row right after
+    (``after``: ``(q bytes, scales)``, ``after_ref``: the torch quant of its ``out``)."""
+    comm = ctx.comm()
+    epoch = comm.workspace.epoch()
+    got = {}
+    for name, shape, kw in ZERO_TOKEN_CALLS:
+        x = torch.empty(shape, dtype=torch.bfloat16)
+        outs = comm.fused_add_rmsnorm(x, torch.empty_like(x), torch.ones(shape[-1], dtype=torch.bfloat16), **kw)
+        got[name] = [None if t is None else (tuple(t.shape), t.dtype, t.stride()) for t in outs]
+    epoch_after = comm.workspace.epoch()
+    x = torch.full((1, 64), float(ctx.rank + 1), dtype=torch.bfloat16)
+    q, s, _, out = comm.fused_add_rmsnorm(x, None, torch.linspace(-2, 2, 64).to(torch.bfloat16),
+                                          quant="fp8_per_group", group_size=16, emit_unquantized=True)
+    rq, rs = per_group_quant_reference(out, 16)
+    return {"calls": got, "epoch": epoch, "epoch_after": epoch_after,
+            "after": (q.view(torch.uint8), s), "after_ref": (rq.view(torch.uint8), rs)}
+

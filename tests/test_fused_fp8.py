@@ -1,0 +1,264 @@
+"""Fused FP8 output of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (issue 4; DESIGN.md numerics
+contract item 4) on CPU ranks (world sizes 2 and 3, Triton's interpreter).
+
+For every case: the FP8 bytes and the scale bits equal the standalone Triton quant (``tpcomm.quant``) and
+the plain-torch quant (``tpcomm.reference``) of the unquantised ``out`` (of the same call when it is
+emitted, and of the same call without ``quant``); the emitted ``out`` and ``residual_out`` equal the
+call without ``quant`` bit for bit; every rank holds the same bytes; dequantised values lie within one
+FP8 step of the float32 reference; and the scale rules hold (zeros: scale 1; a NaN: scale NaN and NaN
+bytes; the row's (group's) amax: byte +-MAX).
+
+The interpreter is slow, so the dimensions (algorithm, dtype, format, per-token / per-group / column-major,
+residual, Gemma, emit_unquantized, world size) are covered by a handful of combinations in which every
+value of every dimension occurs with every algorithm, not by their product. Realistic shapes run on
+GPUs: ``tests/test_gpu_fused_fp8.py``.
+"""
+
+import re
+
+import pytest
+import torch
+
+import fused_fp8_cases as fc
+from fused_fp8_cases import Fp8Case
+from numerics import Checks, assert_same_bits, assert_same_values, dtype_name
+
+#: NaN rows divide NaN by NaN, and the squares of huge rows overflow, in the interpreter's numpy on purpose.
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+TOK, GRP = "fp8_per_token", "fp8_per_group"
+
+
+def _c(seed, algo, dtype, fp8, mode, residual, gemma, emit, shape, group=32, **kw):
+    """A case from a row of the tables below; ``mode`` is ``tok``, ``row`` or ``col``."""
+    return Fp8Case(seed=seed, shape=shape, dtype=dtype, algo=algo, quant=TOK if mode == "tok" else GRP,
+                   fp8=fp8, group=group, column_major=mode == "col", residual=residual, gemma=gemma, emit=emit,
+                   **kw)
+
+
+# (world, case). Each algorithm meets both formats, both world sizes, with and without residual, Gemma and
+# emit_unquantized; its dtypes (Lamport: 16-bit only); and each format meets every scale layout. Rows
+# marked special carry zeros, a dominant element, a NaN and huge values (fused_fp8_cases.special_inputs);
+# a float32 norm weight with bf16 input once; 3-D inputs (B, S, H) three times.
+MATRIX = [
+    (2, _c(1, "lamport", BF16, FN, "tok", True, False, True, (5, 64), special=True)),
+    (3, _c(2, "lamport", FP16, FNUZ, "row", False, True, False, (4, 96))),
+    (3, _c(3, "lamport", BF16, FNUZ, "col", True, True, True, (4, 128), group=128, w_dtype=FP32)),
+    (2, _c(4, "one_shot", FP32, FN, "col", False, False, True, (4, 96))),
+    (3, _c(5, "one_shot", BF16, FNUZ, "tok", True, True, False, (5, 128), special=True)),
+    (2, _c(6, "one_shot", FP16, FN, "row", True, False, True, (2, 3, 64), group=16)),
+    (3, _c(7, "two_shot", FP32, FNUZ, "tok", True, False, True, (4, 64))),
+    (2, _c(8, "two_shot", BF16, FN, "row", False, True, True, (3, 2, 128), group=64)),
+    (3, _c(9, "two_shot", FP16, FNUZ, "col", True, True, False, (5, 96), special=True)),
+    (3, _c(10, "fallback", FP16, FN, "tok", False, True, True, (5, 96), special=True)),
+    (2, _c(11, "fallback", FP32, FNUZ, "row", True, False, False, (2, 2, 64))),
+    (2, _c(12, "fallback", BF16, FN, "col", True, True, True, (4, 128))),
+]
+
+#: Small max_bytes: 256 bytes carry 2 rows of 64 bf16 (1 of fp32) per one-shot or Lamport launch and 1
+#: row of each share per two-shot launch, so 5 rows take 2 to 5 launches, and the scale pointer of each
+#: launch starts at its first row (in the column-major layout too).
+CHUNK_MAX_BYTES = 256
+CHUNKED = [
+    (2, _c(21, "lamport", BF16, FN, "col", True, False, True, (5, 64), group=16, max_bytes=CHUNK_MAX_BYTES)),
+    (3, _c(22, "one_shot", FP32, FNUZ, "tok", False, False, False, (5, 64), max_bytes=CHUNK_MAX_BYTES)),
+    (3, _c(23, "one_shot", BF16, FNUZ, "col", True, True, False, (5, 64), max_bytes=CHUNK_MAX_BYTES)),
+    (2, _c(24, "two_shot", FP16, FN, "row", True, False, True, (5, 64), group=16, max_bytes=CHUNK_MAX_BYTES)),
+    (3, _c(25, "two_shot", BF16, FNUZ, "col", False, False, False, (5, 64), max_bytes=CHUNK_MAX_BYTES)),
+]
+
+#: Rows wider than one tile (8320 > dispatch.MAX_BLOCK_H = 8192: two tiles). Per token, the scale needs
+#: the whole row before any byte: a third pass re-reads ``out`` (stored even when not emitted). Without
+#: a residual the first pass parks ``s`` in ``out``. ``peak`` puts every row's amax in the second tile.
+WIDE = [
+    (2, _c(31, "lamport", BF16, FN, "tok", False, False, False, (2, 8320), peak=True)),
+    (2, _c(32, "two_shot", FP32, FNUZ, "col", True, False, True, (2, 8320), group=128, peak=True)),
+]
+
+
+def case_id(world, case):
+    shape = "x".join(map(str, case.shape))
+    mode = "tok" if case.quant == TOK else ("col" if case.column_major else "row") + str(case.group)
+    flags = "".join(f for f, on in (("-res", case.residual), ("-gemma", case.gemma), ("-emit", case.emit),
+                                   ("-special", case.special), ("-peak", case.peak)) if on)
+    return (f"w{world}-{case.algo}-{dtype_name(case.dtype)}-{str(case.fp8).replace('torch.float8_', '')}-"
+            f"{mode}-{shape}{flags}")
+
+
+def _u8_equal(check, got, want, what):
+    diff = got != want
+    check.that(got.shape == want.shape and not diff.any(),
+               f"{what}: {int(diff.sum()) if got.shape == want.shape else 'shape'} bytes differ"
+               + (f", first at {diff.nonzero()[:4].tolist()}: {got[diff][:4].tolist()} vs {want[diff][:4].tolist()}"
+                  if got.shape == want.shape and diff.any() else ""))
+
+
+def _scales_equal(check, got, want, what):
+    check.that(got.stride() == want.stride(), f"{what}: strides {got.stride()} != {want.stride()}")
+    check(assert_same_bits, got, want, what)
+
+
+def expected_scales_shape(case):
+    lead = case.shape[:-1]
+    return (*lead, 1) if case.quant == TOK else (*lead, case.shape[-1] // case.group)
+
+
+def check_scale_rules(check, case, q2, s2, out2, what):
+    """The scale rules on the fused bytes, per row (group), from the unquantised ``out``: amax 0 -> scale
+    1.0; a NaN -> scale 0x7FC00000 and every byte the NaN byte; otherwise the amax's byte is +-MAX."""
+    H = out2.shape[1]
+    G = s2.shape[1]
+    o = out2.float().reshape(-1, G, H // G)
+    qg = q2.reshape(-1, G, H // G).to(torch.int32)
+    has_nan = o.isnan().any(-1)
+    amax = o.abs().nan_to_num(0.0).amax(-1)
+    sbits = s2.contiguous().view(torch.int32)
+    zero = ~has_nan & (amax == 0)
+    check.that(bool((s2[zero] == 1.0).all()), f"{what}: {int((s2[zero] != 1.0).sum())} all-zero groups "
+                                             "without scale 1")
+    check.that(bool((sbits[has_nan] == fc.SCALE_NAN_BITS).all()), f"{what}: NaN groups without the NaN scale")
+    check.that(bool((qg[has_nan] == fc.NAN_BYTE[case.fp8]).all()), f"{what}: NaN groups with non-NaN bytes")
+    finite = ~has_nan & (amax > 0) & amax.isfinite()
+    top = (qg & 0x7F).amax(-1)
+    check.that(bool((top[finite] == fc.MAX_CODE[case.fp8]).all()),
+               f"{what}: groups whose largest byte is not +-MAX: {top[finite][top[finite] != fc.MAX_CODE[case.fp8]][:4].tolist()}")
+
+
+def check_dequantised(check, case, q2, s2, y32, what):
+    """``f32(q) * scale`` within one FP8 step (at ``y / scale``) of the float32 reference ``y``; NaN
+    exactly where ``y`` is NaN."""
+    deq = fc.dequantize(q2.view(case.fp8), s2)
+    y = y32.reshape(deq.shape)
+    check.that(torch.equal(deq.isnan(), y.isnan()), f"{what}: dequantised NaNs not where the reference's are")
+    ok = ~y.isnan()
+    step = fc.fp8_step(y, fc.expand_scales(s2.float(), y.shape[1]), case.fp8)
+    err = (deq - y).abs()
+    bad = ok & ~(err <= step)
+    check.that(not bad.any(), f"{what}: {int(bad.sum())} dequantised values more than one FP8 step from the "
+                              f"float32 reference, worst {float((err / step)[ok].max()):.2f} steps")
+
+
+def check_fp8_case(case, results):
+    check = Checks()
+    H = case.shape[-1]
+    algo = case.algo
+    for r, res in enumerate(results):
+        p = f"rank {r}"
+        check.that(res["plan"] == algo, f"{p}: plan {res['plan']!r}, expected {algo!r}")
+        check.that(res["q_dtype"] == case.fp8, f"{p}: q has dtype {res['q_dtype']}")
+        check.that(tuple(res["q"].shape) == tuple(case.shape), f"{p}: q has shape {tuple(res['q'].shape)}")
+        s = res["scales"]
+        check.that(tuple(s.shape) == expected_scales_shape(case) and s.dtype == torch.float32,
+                   f"{p}: scales {s.dtype} {tuple(s.shape)}, expected float32 {expected_scales_shape(case)}")
+        if case.column_major:
+            check.that(s.stride() == (1, case.shape[0]), f"{p}: column-major scales have strides {s.stride()}")
+        if case.emit:
+            check.that(res["out"] is not None, f"{p}: emit_unquantized=True but out is None")
+            if res["out"] is not None:
+                check(assert_same_bits, res["out"], res["plain_out"], f"{p}: out vs the call without quant")
+        else:
+            check.that(res["out"] is None, f"{p}: out returned without emit_unquantized")
+        if case.residual:
+            check(assert_same_bits, res["ro"], res["plain_ro"], f"{p}: residual_out vs the call without quant")
+            check(assert_same_values, res["ro"], res["ro_ref"], f"{p}: residual_out vs the reference")
+        else:
+            check.that(res["ro"] is None, f"{p}: residual_out without a residual")
+        q2 = res["q"].reshape(-1, H)
+        s2 = s if case.column_major else s.reshape(-1, s.shape[-1])
+        _u8_equal(check, q2, res["std_q"], f"{p}: bytes vs tpcomm.quant of out")
+        _scales_equal(check, s2, res["std_s"], f"{p}: scales vs tpcomm.quant of out")
+        _u8_equal(check, q2, res["ref_q"], f"{p}: bytes vs the torch quant of the unquantised call's out")
+        _scales_equal(check, s2, res["ref_s"], f"{p}: scales vs the torch quant of the unquantised call's out")
+        check_scale_rules(check, case, q2, s2, res["plain_out"].reshape(-1, H), p)
+        check_dequantised(check, case, q2, s2, res["y32"], p)
+        if "whole_q" in res:
+            check.that(res["launches"] > 1, f"{p}: {res['launches']} launch(es) with max_bytes="
+                                            f"{case.max_bytes}: not chunked")
+            _u8_equal(check, res["q"], res["whole_q"], f"{p}: bytes, chunked vs one launch")
+            _scales_equal(check, res["scales"], res["whole_s"], f"{p}: scales, chunked vs one launch")
+    for r in range(1, len(results)):
+        _u8_equal(check, results[r]["q"], results[0]["q"], f"rank {r} vs rank 0 bytes")
+        check(assert_same_bits, results[r]["scales"], results[0]["scales"], f"rank {r} vs rank 0 scales")
+    check.done()
+
+
+@pytest.mark.parametrize("world,case", MATRIX + CHUNKED + WIDE, ids=[case_id(w, c) for w, c in MATRIX + CHUNKED + WIDE])
+def test_fused_fp8_equals_standalone_quant_of_out(pools, world, case):
+    """Bytes and scales of the fused call equal the standalone quant of its unquantised ``out``, and
+    everything else in the module docstring; chunked calls equal one launch."""
+    check_fp8_case(case, pools.get(world).run(fc.fp8_case, case))
+
+
+# -- bad inputs, zero tokens ---------------------------------------------------------------------------------
+#: name -> (argument the message must name, other words it must contain). All ValueError.
+BAD = {
+    "quant_unknown": ("quant", ["fp8_per_channel"]),
+    "quant_upper_case": ("quant", ["FP8_PER_TOKEN"]),
+    "fp8_dtype_e5m2": ("fp8_dtype", ["float8_e5m2"]),
+    "fp8_dtype_bf16": ("fp8_dtype", ["bfloat16"]),
+    "group_not_power_of_two": ("group_size", ["48"]),
+    "group_not_dividing_h": ("group_size", ["64", "96"]),
+    "group_default_not_dividing_h": ("group_size", ["128", "96"]),
+    "group_zero": ("group_size", ["0"]),
+    "group_float": ("group_size", ["32.0"]),
+    "column_major_per_token": ("column_major_scales", ["fp8_per_group"]),
+    "column_major_3d": ("column_major_scales", ["(2, 2, 96)"]),
+    "emit_without_quant": ("emit_unquantized", ["quant"]),
+    "column_major_without_quant": ("column_major_scales", ["quant"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(pools):
+    return pools.get(2).run(fc.fp8_bad_inputs_case, sorted(BAD))
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_quant_arguments_raise_naming_the_argument(bad_inputs, name):
+    """ValueError prefixed with the op, naming the argument (and the offending numbers), on every rank;
+    the ranks stay in step (a quantised call right after is right)."""
+    arg, words = BAD[name]
+    check = Checks()
+    for r, res in enumerate(bad_inputs):
+        seen = res["errors"][name]
+        check.that(seen is not None, f"rank {r}: {name} raised nothing")
+        if seen is None:
+            continue
+        typ, msg = seen
+        check.that(typ == "ValueError", f"rank {r}: {name} raised {typ}: {msg}")
+        check.that(msg.startswith("fused_add_rmsnorm:"), f"rank {r}: message not prefixed with the op: {msg!r}")
+        check.that(re.search(rf"\b{arg}\b", msg) is not None, f"rank {r}: message does not name {arg!r}: {msg!r}")
+        for word in words:
+            check.that(word in msg, f"rank {r}: message does not contain {word!r}: {msg!r}")
+        (q, s), (rq, rs) = res["after"], res["after_ref"]
+        _u8_equal(check, q, rq, f"rank {r}: the call after the bad ones, bytes")
+        check(assert_same_bits, s, rs, f"rank {r}: the call after the bad ones, scales")
+    check.done()
+
+
+def test_zero_tokens(pool2):
+    """T = 0: no launch; empty outputs of the right shapes, dtypes and layouts; a call after is right."""
+    results = pool2.run(fc.fp8_zero_tokens_case)
+    expected = {  # name -> (q shape, q dtype, scales shape, out returned)
+        "per_token": ((0, 64), FN, (0, 1), True),
+        "per_group": ((0, 64), FNUZ, (0, 4), False),
+        "per_group_column_major": ((0, 64), FN, (0, 2), True),
+        "per_group_3d": ((2, 0, 64), FN, (2, 0, 2), False),
+    }
+    check = Checks()
+    for r, res in enumerate(results):
+        check.that(res["epoch"] == res["epoch_after"], f"rank {r}: zero-token calls launched "
+                                                       f"({res['epoch']} -> {res['epoch_after']})")
+        for name, (qshape, qdtype, sshape, emitted) in expected.items():
+            q, s, ro, out = res["calls"][name]
+            check.that(q[:2] == (qshape, qdtype), f"rank {r}: {name}: q {q}")
+            check.that(s[:2] == (sshape, torch.float32), f"rank {r}: {name}: scales {s}")
+            check.that(ro is not None and ro[0] == qshape, f"rank {r}: {name}: residual_out {ro}")
+            check.that((out is not None) == emitted and (out is None or out[0] == qshape), f"rank {r}: {name}: out {out}")
+        (q, s), (rq, rs) = res["after"], res["after_ref"]
+        _u8_equal(check, q, rq, f"rank {r}: the call after, bytes")
+        check(assert_same_bits, s, rs, f"rank {r}: the call after, scales")
+    check.done()
