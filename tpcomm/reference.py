@@ -128,7 +128,9 @@ def _fp8_quantize_reference(v: torch.Tensor, amax: torch.Tensor, fp8_dtype: torc
     if fp8_dtype not in _FP8_NAN_BYTE:
         raise ValueError(f"fp8_dtype={fp8_dtype}; expected torch.float8_e4m3fn or torch.float8_e4m3fnuz")
     fp8_max = torch.finfo(fp8_dtype).max  # 448 (e4m3fn), 240 (e4m3fnuz)
-    scale = amax / fp8_max
+    # A tensor divisor: torch on CUDA turns division by a Python scalar into a multiplication by its
+    # reciprocal (1/448 is inexact), which is not the contract's correctly rounded amax / MAX.
+    scale = amax / torch.full_like(amax, fp8_max)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # amax 0 (or an underflowing quotient)
     scale = torch.where(scale.isnan(), _F32_NAN, scale)  # one NaN bit pattern, whatever the platform's
     qf = (v / scale).clamp(-fp8_max, fp8_max)  # saturate; clamp keeps NaN
