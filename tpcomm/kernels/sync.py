@@ -124,20 +124,23 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
 
 
 @triton.jit
-def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
-                   WORLD: tl.constexpr):
-    """Publish this program's stores to every peer and wait for the same program of every peer.
-
-    ``flag_off`` is :func:`flag_offset` of this phase; the flag for peer ``q`` lands in slot
-    ``flag_off + rank`` of ``q``'s signal pad. Runs a program-wide barrier before sending (so the release
-    covers every thread's stores) and after waiting (so no thread reads before the wait).
-    Returns the timeout left for later waits: ``timeout``, or 0 once a wait failed.
-    """
+def signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD: tl.constexpr):
+    """Publish this program's stores to every peer: a program-wide barrier (so the release covers every
+    thread's stores), then one flag per peer, in slot ``flag_off + rank`` of its signal pad
+    (``flag_off`` is :func:`flag_offset` of this phase)."""
     tl.debug_barrier()
     value = flag_value(epoch, signature)
     for q in tl.static_range(WORLD):
         if q != rank:
             send_flag(peer_ptr(flag_table_ptr, q, tl.int64) + flag_off + rank, value)
+
+
+@triton.jit
+def wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+               WORLD: tl.constexpr):
+    """Wait for the same program of every peer to signal this phase, then a program-wide barrier (so no
+    thread reads before the wait). Returns the timeout left for later waits: ``timeout``, or 0 once a
+    wait failed."""
     own = peer_ptr(flag_table_ptr, rank, tl.int64) + flag_off
     for q in tl.static_range(WORLD):
         if q != rank:
@@ -145,6 +148,16 @@ def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, ti
             timeout = tl.where(ok, timeout, 0)
     tl.debug_barrier()
     return timeout
+
+
+@triton.jit
+def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+                   WORLD: tl.constexpr):
+    """:func:`signal_peers` then :func:`wait_peers`: publish this program's stores and wait for the same
+    program of every peer. Returns the timeout left for later waits."""
+    signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD)
+    return wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+                      WORLD)
 
 
 @triton.jit

@@ -11,12 +11,14 @@ rows ``[start_o, start_o + len_o)``; the first ``T % W`` shares have one row mor
   1. scatter: push row ``j`` of share ``o`` into slot ``rank`` (first half) of rank ``o``'s receive
      buffer, for every peer ``o``; exchange phase-0 flags with the same program of every peer;
   2. reduce: sum row ``j`` of its own share in rank order (:func:`epilogue.reduce_tile`, own row read in
-     place), round it to the input dtype: this is the contract's ``s``. Reduce-scatter stores it to
-     ``out`` and is done. All-reduce stores it into the second half of slot ``rank`` of every rank's
-     buffer (its own included); exchange phase-1 flags;
-  3. epilogue: for every share ``o``, load ``s`` of row ``j`` from the second half of slot ``o`` and run
-     the same epilogue as every algorithm (``reduce_norm_row`` with ``PRE_REDUCED``): the residual
-     add and the norm run on every rank, with its own residual, exactly as in one-shot.
+     place), round it to the input dtype: this is the contract's ``s``. It is stored into this rank's
+     ``out`` (the result of a reduce-scatter, which is then done, and of a plain all-reduce) and into
+     the second half of slot ``rank`` of every peer's buffer; then phase-1 flags are sent;
+  3. epilogue: first, while the peers' sums travel, the fused epilogue of this rank's own rows from
+     ``s`` in ``out`` (in place); then, once the peers' phase-1 flags have arrived, for every peer's
+     share ``o`` load ``s`` of row ``j`` from the second half of slot ``o`` and run the same epilogue
+     as every algorithm (``reduce_norm_row`` with ``PRE_REDUCED``): the residual add and the norm run
+     on every rank, with its own residual, exactly as in one-shot.
 
 Each rank sends ``2 (W - 1) / W * n`` bytes and sums ``n`` bytes (one-shot: ``(W - 1) * n`` and
 ``W * n``). ``s`` is computed by the same code as in one-shot and Lamport and travels in the input dtype,
@@ -44,7 +46,8 @@ import triton
 import triton.language as tl
 
 from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row, reduce_tile, round_to
-from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
+from .sync import (exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch,
+                   signal_peers, wait_peers)
 
 
 @triton.jit
@@ -52,13 +55,14 @@ def share_start(o, n_rows, WORLD: tl.constexpr):
     """First row of share ``o`` of ``n_rows`` rows (``torch.tensor_split``'s cut)."""
     base = n_rows // WORLD
     extra = n_rows % WORLD
-    return o * base + tl.minimum(o, extra)
+    return o * base + tl.where(o < extra, o, extra)  # (n_rows may arrive as a constexpr: no .to here)
 
 
 @triton.jit
 def share_len(o, n_rows, WORLD: tl.constexpr):
     """Rows in share ``o`` of ``n_rows`` rows."""
-    return n_rows // WORLD + (o < n_rows % WORLD).to(tl.int32)
+    base = n_rows // WORLD
+    return tl.where(o < n_rows % WORLD, base + 1, base)
 
 
 @triton.jit
@@ -94,42 +98,62 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, WORLD)
 
-    # 2. Reduce this rank's share in rank order; store s (reduce-scatter) or send it to every rank.
+    # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
+    #    reduce-scatter or a plain all-reduce; the epilogue's input otherwise) and to the second half of
+    #    slot `rank` of every peer.
     recv = peer_ptr(buf_table_ptr, rank, DTYPE) + base
     my_start = share_start(rank, n_rows, WORLD)
     my_len = share_len(rank, n_rows, WORLD)
+    gather_off = base + rank * slot_stride + half_stride
     for jj in range(pid, n_local, num_programs):
         j = j0 + jj
         if j < my_len:
             row_start = (my_start + j) * H
+            out_row = out_ptr + (j * H if SCATTER_ONLY else row_start)
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = (cols < H) & (row_start + cols < numel)
                 s = round_to(reduce_tile(x_ptr + row_start, recv + jj * row_stride, slot_stride, cols, mask,
                                          rank, WORLD), DTYPE)
-                if SCATTER_ONLY:
-                    tl.store(out_ptr + j * H + cols, s, mask=mask)
-                else:
-                    gather_off = base + rank * slot_stride + half_stride + jj * row_stride
+                tl.store(out_row + cols, s, mask=mask)
+                if not SCATTER_ONLY:
                     for q in tl.static_range(WORLD):
-                        tl.store(peer_ptr(buf_table_ptr, q, DTYPE) + gather_off + cols, s, mask=mask)
+                        if q != rank:
+                            tl.store(peer_ptr(buf_table_ptr, q, DTYPE) + gather_off + jj * row_stride + cols, s,
+                                     mask=mask)
 
     if not SCATTER_ONLY:
-        timeout = exchange_flags(flag_table_ptr, flag_offset(par, 1, pid, max_programs, WORLD), epoch,
-                                 signature, rank, pid, timeout, err_ptr, state_ptr, WORLD)
-        # 3. The epilogue of every share's row j, from the gathered sums.
+        flags = flag_offset(par, 1, pid, max_programs, WORLD)
+        signal_peers(flag_table_ptr, flags, epoch, signature, rank, WORLD)
+        # 3a. While the peers' sums travel: the epilogue of this rank's own rows, from s in out (in place).
+        if NORM:
+            for jj in range(pid, n_local, num_programs):
+                j = j0 + jj
+                if j < my_len:
+                    row = my_start + j
+                    row_start = row * H
+                    reduce_norm_row(x_ptr + row_start, out_ptr + row_start, slot_stride, res_ptr + row_start,
+                                    res_out_ptr + row_start, w_ptr, out_ptr + row_start, q_ptr + row_start,
+                                    s_ptr + row * s_row_stride, s_group_stride, row_start, numel, H, eps, rank,
+                                    WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
+                                    QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
+        timeout = wait_peers(flag_table_ptr, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
+                             WORLD)
+        # 3b. The epilogue of every peer's row j, from the gathered sums.
         for jj in range(pid, n_local, num_programs):
             j = j0 + jj
             for o in tl.static_range(WORLD):
-                if j < share_len(o, n_rows, WORLD):
-                    row = share_start(o, n_rows, WORLD) + j
-                    row_start = row * H
-                    reduce_norm_row(x_ptr + row_start, recv + o * slot_stride + half_stride + jj * row_stride,
-                                    slot_stride, res_ptr + row_start, res_out_ptr + row_start, w_ptr,
-                                    out_ptr + row_start, q_ptr + row_start, s_ptr + row * s_row_stride,
-                                    s_group_stride, row_start, numel, H, eps, rank,
-                                    WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
-                                    QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
+                if o != rank:
+                    if j < share_len(o, n_rows, WORLD):
+                        row = share_start(o, n_rows, WORLD) + j
+                        row_start = row * H
+                        reduce_norm_row(x_ptr + row_start,
+                                        recv + o * slot_stride + half_stride + jj * row_stride,
+                                        slot_stride, res_ptr + row_start, res_out_ptr + row_start, w_ptr,
+                                        out_ptr + row_start, q_ptr + row_start, s_ptr + row * s_row_stride,
+                                        s_group_stride, row_start, numel, H, eps, rank,
+                                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
+                                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
 
     finish_program(state_ptr, epoch, num_programs)
 
