@@ -75,7 +75,7 @@ def _setup(cfg: BenchConfig, ctx: RunContext) -> tuple[list, dict]:
     return ready, unavailable
 
 
-def _check(case, c, bound, slots, salt, cfg, K) -> tuple[str | None, dict, object]:
+def _check(case, c, bound, slots, salt, cfg) -> tuple[str | None, dict, object]:
     """Load check inputs (every rank's, seed salt ``salt``) into set 0, call once, compare. Returns
     ``(error, expected outputs, the inputs)``."""
     inp = make_inputs(case, cfg.seed, salt)
@@ -84,10 +84,9 @@ def _check(case, c, bound, slots, salt, cfg, K) -> tuple[str | None, dict, objec
     try:
         if bound.poison:
             bound.poison()
-        for k in range(K):
-            slots.load(k, inp.xs[case.rank], inp.residual, inp.weight)
-            if bound.load:
-                bound.load(k)
+        slots.load(0, inp.xs[case.rank], inp.residual, inp.weight)
+        if bound.load:
+            bound.load(0)
         sync()
         dist.barrier()
         got = bound.outputs(bound.call(0))
@@ -104,6 +103,7 @@ def _run_contender(case, c, slots, refill, ctx, salt, K) -> dict:
     cfg = ctx.cfg
     modes = [m for m in cfg.modes if m in c.modes]
     out: dict = {}
+    clock = _Clock(out)
     if case.device == "cpu" and "graph" in modes:  # gloo ranks (a CPU run of the logic): eager only
         out["graph"] = {"na": "graph mode needs CUDA"}
         modes.remove("graph")
@@ -122,7 +122,9 @@ def _run_contender(case, c, slots, refill, ctx, salt, K) -> dict:
         out.update({m: {"error": f"set-up failed: {err}"} for m in modes})
         return out
     out["note"] = bound.note
-    err, want, inp = _check(case, c, bound, slots, salt, cfg, K)
+    clock.lap("bind")
+    err, want, inp = _check(case, c, bound, slots, salt, cfg)
+    clock.lap("check")
     if err:
         out.update({m: {"error": f"check failed: {err}"} for m in modes})
         return out
@@ -136,15 +138,16 @@ def _run_contender(case, c, slots, refill, ctx, salt, K) -> dict:
         err = agree(err)
         if not err and bound.after_capture:
             bound.after_capture()
+        clock.lap("capture")
         if err:
             out["graph"] = {"error": f"capture failed: {err}"}
         else:
             out["graph"] = {"us": time_replays(g.replay, lambda: refill(bound), K, cfg, graph=True)}
-            try:
-                for k in range(K):
-                    slots.load(k, inp.xs[case.rank], inp.residual, inp.weight)
-                    if bound.load:
-                        bound.load(k)
+            clock.lap("graph")
+            try:  # the last call of the graph reads set K - 1: the check inputs go there
+                slots.load(K - 1, inp.xs[case.rank], inp.residual, inp.weight)
+                if bound.load:
+                    bound.load(K - 1)
                 sync()
                 dist.barrier()
                 g.replay()
@@ -154,6 +157,7 @@ def _run_contender(case, c, slots, refill, ctx, salt, K) -> dict:
             err = agree(err)
             if err:
                 out["graph"] = {"error": f"graph replay result wrong: {err}"}
+            clock.lap("recheck")
         del g, outs
     if "eager" in modes:
         def run():
@@ -167,7 +171,22 @@ def _run_contender(case, c, slots, refill, ctx, salt, K) -> dict:
         err = agree(err)
         if err:
             out["eager"] = {"error": f"eager calls failed: {err}"}
+        clock.lap("eager")
     return out
+
+
+class _Clock:
+    """Seconds spent in each phase of a contender's turn, kept in ``out["phases_s"]`` (to fit the run-time
+    model of :mod:`tpcomm.bench.estimate`)."""
+
+    def __init__(self, out: dict):
+        self.t, self.phases = time.perf_counter(), {}
+        out["phases_s"] = self.phases
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self.t, 4)
+        self.t = now
 
 
 def run_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict:
@@ -198,7 +217,7 @@ def run_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict:
 
             def refill(bound, src=src, slots=slots, x0=x0):
                 for k in range(len(slots.x)):
-                    slots.load(k, x0, src.residual, src.weight)
+                    slots.load(k, x0, *((src.residual, src.weight) if k == 0 else ()))
                     if bound.load:
                         bound.load(k)
         for salt, c in enumerate(per_op[op], start=1):

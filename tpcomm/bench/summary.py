@@ -61,6 +61,9 @@ def summarize(per_rank: list[dict], cfg: BenchConfig) -> dict:
                      "busbw_GBps": busbw_gbps(item["op"], item["bytes"], med, W), "times_us": t}
             if item.get("note"):
                 m["note"] = item["note"]
+            m["wall_s"] = max(it["wall_s"] for it in same)  # the whole turn, both modes, slowest rank
+            if item.get("phases_s"):
+                m["phases_s"] = item["phases_s"]
             row["results"][item["contender"]] = m
     copy_bw = {}
     for (op, mode, d, H, T), row in rows.items():

@@ -30,13 +30,13 @@ class Slots:
     residual: torch.Tensor | None
     weight: torch.Tensor | None
 
-    def load(self, k: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None):
-        """Copy one set of inputs into set ``k``; with set 0, also the shared residual and weight (so a
-        refill of every set copies them once)."""
+    def load(self, k: int, x: torch.Tensor, residual: torch.Tensor | None = None,
+             weight: torch.Tensor | None = None):
+        """Copy ``x`` into set ``k``, and ``residual`` / ``weight`` (when given) into the shared ones."""
         self.x[k].copy_(x)
-        if k == 0 and residual is not None:
+        if residual is not None:
             self.residual.copy_(residual)
-        if k == 0 and weight is not None:
+        if weight is not None:
             self.weight.copy_(weight)
 
 

@@ -3,7 +3,7 @@
     symm_one_shot    s = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)      then the epilogue
     symm_two_shot    torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)          (in place), then it
     symm_mem (AG)    torch.ops.symm_mem._low_contention_all_gather(buf, group)           (copy engine, pull)
-    symm_mem (RS)    torch.ops.symm_mem.reduce_scatter_out(buf, group, False, out)
+    symm_mem (RS)    torch.ops.symm_mem.reduce_scatter_out(buf.view(-1), group, False, out.view(-1))
 
 These ops read a symmetric buffer: the input set is copied into one before each call, outside the timed
 region (what a caller gets by allocating its activations there). Multicast (``multimem_*``) stays off.
@@ -123,9 +123,13 @@ class SymmAllGather(_SymmBase):
         ops, g = _ops(), self.pool.group_name
         backend = symm_mem._get_backend_stream()
 
+        wait = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+
         def call(k):
             y = ops._low_contention_all_gather(bufs[k], g)
             torch.cuda.current_stream().wait_stream(backend)
+            if wait is not None:  # retires the Work the op registers (else torch warns at exit)
+                y = wait(y)
             return y
         return Bound(call=call, outputs=lambda r: {"gathered": r}, load=load)
 
@@ -143,7 +147,8 @@ class SymmReduceScatter(_SymmBase):
         outs = new_outputs(len(bufs), (case.share[1], case.H), case.dtype, case.device)
         ops, g = _ops(), self.pool.group_name
 
-        def call(k):
-            return ops.reduce_scatter_out(bufs[k], g, False, outs[k])
+        def call(k):  # the op takes flat tensors: this rank's share of the rows is a contiguous chunk
+            ops.reduce_scatter_out(bufs[k].view(-1), g, False, outs[k].view(-1))
+            return outs[k]
         return Bound(call=call, outputs=lambda r: {"share": r}, load=load, poison=lambda: poison(outs),
                      keep=outs)
