@@ -78,6 +78,14 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def _picklable(t):
+    """``t``, or for FP8 its uint8 view: FP8 tensors do not survive the pickling that carries results
+    back from the ranks (torch 2.13: ``UntypedStorage has no attribute dtype`` when loading)."""
+    if t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
+
+
 def _epoch(comm) -> int:
     """The workspace epoch (advances once per kernel launch; a fallback call leaves it)."""
     return comm.workspace.epoch() if comm.workspace is not None else 0
@@ -149,7 +157,8 @@ def all_gather_case(ctx, seed, shape, dtype, dims, max_bytes=None, algo="auto"):
                 y, error = comm.all_gather(x, dim), None
             except Exception as e:  # reported by the test; the pool stays up for the next one
                 y, error = None, f"{type(e).__name__}: {e}"
-        result[dim] = {"y": y, "error": error, "ref": torch.cat(xs, dim), "launches": _epoch(comm) - before,
+        result[dim] = {"y": _picklable(y), "error": error, "ref": _picklable(torch.cat(xs, dim)),
+                       "launches": _epoch(comm) - before,
                        "plan": plan, "x_untouched": torch.equal(raw(x), x_before)}
     return result
 
