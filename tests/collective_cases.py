@@ -279,9 +279,9 @@ def mismatch_case(ctx, calls, delays, timeout_s):
         comm.close()
 
 
-def mismatch_batch(ctx, faults, timeout_s):
-    """:func:`mismatch_case` for each ``(name, calls, delays)`` of ``faults``: ``{name: result}``."""
-    return {name: mismatch_case(ctx, calls, delays, timeout_s) for name, calls, delays in faults}
+def mismatch_batch(ctx, faults):
+    """:func:`mismatch_case` for each ``(name, calls, delays, timeout_s)`` of ``faults``: ``{name: result}``."""
+    return {name: mismatch_case(ctx, calls, delays, timeout_s) for name, calls, delays, timeout_s in faults}
 
 
 # -- crossover tables --------------------------------------------------------------------------------------

@@ -293,8 +293,9 @@ def test_interleaved_calls(pools, world):
 
 
 # -- 4. calls that do not match a peer's --------------------------------------------------------------------
-#: Kernel timeout of the mismatched calls (short: each fault waits at most about this long).
-MISMATCH_TIMEOUT_S = 0.3
+#: Kernel timeout of the mismatched calls: short (each fault waits at most about this long), yet long
+#: against the scheduling noise of ranks that start a call together after a barrier.
+MISMATCH_TIMEOUT_S = 0.5
 #: Margin for the call's own work on a busy 2-core machine.
 MISMATCH_MARGIN_S = 4.0
 
@@ -338,9 +339,12 @@ MISMATCH_NOT_YET = {
         "Lamport has no call signature (see NOT_YET in tests/test_faults.py): the rank expecting 4100 "
         "elements finds every element it polls filled by the peer's 4150 and returns",
 }
+#: Longer timeouts where the expected outcome needs a peer to arrive within it (the xfail above: the
+#: 4150-element rank must have pushed before the 4100-element one gives up, or both raise by luck).
+MISMATCH_TIMEOUTS = {"all_reduce, other size on the same grid [lamport]": 2.0}
 #: Seconds the late rank of NAMED_PEER sleeps before its call: far longer than the others take to see
 #: the odd rank's flags.
-LATE_S = 1.0
+LATE_S = 2.0
 #: 3 ranks: rank 1 calls all_gather, ranks 0 and 2 the fused op (one program each); rank 2 comes late.
 #: Rank 0 sees rank 1's other signature at once: the error must name rank 1, not the late rank 2
 #: (whose call is right, and who arrives well within the timeout of a wait that had not given up).
@@ -353,11 +357,12 @@ def mismatches(pools):
     """``{name: [result of each rank]}`` from one pool call per world size."""
     seen = {}
     for world in (2, 3):
-        faults = [(name, calls, [0.0] * world) for name, (w, calls) in MISMATCHES.items() if w == world]
+        faults = [(name, calls, [0.0] * world, MISMATCH_TIMEOUTS.get(name, MISMATCH_TIMEOUT_S))
+                  for name, (w, calls) in MISMATCHES.items() if w == world]
         if world == 3:
-            faults.append(("named peer", *NAMED_PEER))
-        per_rank = pools.get(world).run(cc.mismatch_batch, faults, MISMATCH_TIMEOUT_S, timeout_s=300)
-        for name, _, _ in faults:
+            faults.append(("named peer", *NAMED_PEER, MISMATCH_TIMEOUT_S))
+        per_rank = pools.get(world).run(cc.mismatch_batch, faults, timeout_s=300)
+        for name, *_ in faults:
             seen[name] = [res[name] for res in per_rank]
     return seen
 
@@ -367,7 +372,7 @@ def _mismatch_param(name):
     return pytest.param(name, id=name, marks=marks)
 
 
-def _check_raised(results, world, check, late=None):
+def _check_raised(results, world, check, timeout_s=MISMATCH_TIMEOUT_S):
     for r, res in enumerate(results):
         check.that(res["warm_ok"], f"rank {r}: the call every rank made first was wrong")
         seen = res["seen"]
@@ -376,7 +381,7 @@ def _check_raised(results, world, check, late=None):
             continue
         check.that(seen["type"] in ("PeerTimeoutError", "PeerMismatchError") and seen.get("peer") in
                    set(range(world)) - {r}, f"rank {r}: raised {seen['type']}: {seen['message']}")
-        check.that(res["elapsed"] < MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S,
+        check.that(res["elapsed"] < timeout_s + MISMATCH_MARGIN_S,
                    f"rank {r}: took {res['elapsed']:.2f} s to raise")
 
 
@@ -385,7 +390,7 @@ def test_mismatched_call_raises_on_every_rank(mismatches, name):
     """Every rank raises PeerTimeoutError or PeerMismatchError naming another rank (never returns),
     within the timeout and a margin."""
     check = Checks()
-    _check_raised(mismatches[name], MISMATCHES[name][0], check)
+    _check_raised(mismatches[name], MISMATCHES[name][0], check, MISMATCH_TIMEOUTS.get(name, MISMATCH_TIMEOUT_S))
     check.done()
 
 
