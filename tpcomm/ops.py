@@ -108,6 +108,14 @@ def _handle_of(comm) -> int:
     return register(comm)
 
 
+@torch.compiler.assume_constant_result
+def _group_of(comm) -> tuple[int, int, int]:
+    """``(handle, rank, world_size)`` of a communicator or handle (a constant under torch.compile)."""
+    handle = comm if isinstance(comm, int) and not isinstance(comm, bool) else register(comm)
+    c = lookup(handle)
+    return handle, c.rank, c.world_size
+
+
 def handle_of(comm) -> int:
     """``comm``'s handle: ``comm`` itself if it is an int handle, else :func:`register` ``(comm)``."""
     if isinstance(comm, int) and not isinstance(comm, bool):
@@ -172,6 +180,90 @@ def _(handle, x, residual, weight, eps, gemma):
     return [out] if residual is None else [out, torch.empty_like(out)]
 
 
+@torch.library.custom_op("tpcomm::fused_add_rmsnorm_fp8", mutates_args=(),
+                         schema="(int handle, Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma, "
+                                "str quant, ScalarType fp8_dtype, int group_size, bool column_major_scales, "
+                                "bool emit_unquantized) -> Tensor[]")
+def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+                  emit_unquantized):
+    comm = lookup(handle)
+    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
+                                        f"group={group_size}, column_major={column_major_scales}, "
+                                        f"unquantized={emit_unquantized})", x, residual, weight))
+    q, scales, residual_out, out = comm.fused_add_rmsnorm(
+        x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype, group_size=group_size,
+        column_major_scales=column_major_scales, emit_unquantized=emit_unquantized)
+    return [t for t in (q, scales, residual_out, out) if t is not None]
+
+
+@_fused_fp8_op.register_fake
+def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+      emit_unquantized):
+    from .fp8_outputs import fp8_outputs
+
+    # the communicator's own allocation (and validation): the same shapes and strides (column-major
+    # scales are the transpose of a contiguous (H / group_size, T) tensor)
+    outs = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales)
+    extra = [torch.empty(x.shape, dtype=x.dtype, device=x.device)] if residual is not None else []
+    if emit_unquantized:
+        extra.append(torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    return [outs.q_fp8, outs.scales_view] + extra
+
+
+def _lookup_group(op: str, handle: int, rank: int, world_size: int):
+    comm = lookup(handle)
+    if (comm.rank, comm.world_size) != (rank, world_size):
+        raise ValueError(f"{op}: rank {rank} of {world_size} was passed for handle {handle}, whose communicator "
+                         f"is rank {comm.rank} of {comm.world_size}")
+    return comm
+
+
+def _norm_dim(op: str, x: torch.Tensor, dim: int) -> int:
+    if x.dim() < 1 or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}, got {dim!r}")
+    return dim % x.dim()
+
+
+# all_gather and reduce_scatter take the group's rank and size as arguments: their output shapes depend
+# on them, and a fake implementation must be a function of its arguments alone. Inductor's FX graph cache
+# (on disk, shared by the processes of a machine) keys a compiled graph by its code and arguments: with
+# the rank read from the registry, rank 1's compiled reduce_scatter, whose handle had the same number,
+# was served to rank 0 with rank 1's output size (seen on CPU ranks, torch 2.13).
+@torch.library.custom_op("tpcomm::all_gather", mutates_args=(),
+                         schema="(int handle, Tensor x, int dim, int rank, int world_size) -> Tensor")
+def _all_gather_op(handle: int, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    comm = _lookup_group("all_gather", handle, rank, world_size)
+    graphs.before_call(comm, _signature(f"all_gather(dim={dim})", x))
+    return comm.all_gather(x, dim).contiguous()  # contiguous as the fake says (a no-op unless dim != 0)
+
+
+@_all_gather_op.register_fake
+def _(handle, x, dim, rank, world_size):
+    dim = _norm_dim("all_gather", x, dim)
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world_size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("tpcomm::reduce_scatter", mutates_args=(),
+                         schema="(int handle, Tensor x, int dim, int rank, int world_size) -> Tensor")
+def _reduce_scatter_op(handle: int, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    comm = _lookup_group("reduce_scatter", handle, rank, world_size)
+    graphs.before_call(comm, _signature(f"reduce_scatter(dim={dim})", x))
+    return comm.reduce_scatter(x, dim).contiguous()
+
+
+@_reduce_scatter_op.register_fake
+def _(handle, x, dim, rank, world_size):
+    dim = _norm_dim("reduce_scatter", x, dim)
+    shape = list(x.shape)
+    # rank's share of T rows as torch.tensor_split cuts them (reference.share_bounds):
+    # T // W + (1 if rank < T % W else 0), as one expression; a branch on a symbolic T would add a guard
+    shape[dim] = (shape[dim] + world_size - 1 - rank) // world_size
+    return x.new_empty(shape)
+
+
 # -- wrappers -------------------------------------------------------------------------------------------
 def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``comm.all_reduce(x, out)`` through the op ``tpcomm::all_reduce`` (or ``all_reduce_out`` with
@@ -198,14 +290,18 @@ def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float = 1e-6, gemma: bool = False):
-    """``comm.fused_add_rmsnorm(x, residual, weight, eps, gemma)`` through the op
-    ``tpcomm::fused_add_rmsnorm``: all-reduce ``x``, add ``residual``, RMSNorm, in one kernel.
+                      eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
+                      fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = 128,
+                      column_major_scales: bool = False, emit_unquantized: bool = False):
+    """``comm.fused_add_rmsnorm(...)`` through the op ``tpcomm::fused_add_rmsnorm`` (or
+    ``tpcomm::fused_add_rmsnorm_fp8`` with ``quant``): all-reduce ``x``, add ``residual``, RMSNorm, and
+    optionally quantise to FP8, in one kernel; the method's bits.
 
     Plain torch: ``s = all_reduce(x); residual_out = s + residual; out = rms_norm(residual_out, w, eps)``
-    (``w`` replaced by ``1 + w`` when ``gemma``), with the numerics contract of the README.
+    (``w`` replaced by ``1 + w`` when ``gemma``), with the numerics contract of the README; with
+    ``quant``, ``q, scales = per_token_quant_fp8(out)`` (or per group).
 
-    Collective: every rank calls it with the same shapes, dtypes, ``eps`` and ``gemma``.
+    Collective: every rank calls it with the same shapes, dtypes and arguments.
 
     Args:
         comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
@@ -214,12 +310,65 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         weight: ``(H,)``, a float dtype.
         eps: >= 0, added to the mean square (default 1e-6, the Communicator's default).
         gemma: use ``1 + w`` (Gemma-style norms).
+        quant, fp8_dtype, group_size, column_major_scales, emit_unquantized: as
+            :meth:`tpcomm.Communicator.fused_add_rmsnorm` (defaults are its defaults).
     Returns:
-        ``(out, residual_out)``, new tensors shaped like ``x``; ``residual_out`` is None without a residual.
+        Without ``quant``: ``(out, residual_out)``, new tensors shaped like ``x`` (``residual_out`` None
+        without a residual). With ``quant``: ``(q, scales, residual_out, out)`` (``out`` None unless
+        ``emit_unquantized``), as the method returns them.
     Raises:
         As :meth:`tpcomm.Communicator.fused_add_rmsnorm`; ``LookupError`` for an unknown handle.
     """
-    outs = torch.ops.tpcomm.fused_add_rmsnorm(handle_of(comm), x, residual, weight, eps, gemma)
-    if residual is None:
-        return outs[0], None
-    return outs[0], outs[1]
+    handle = handle_of(comm)
+    if quant is None:
+        if column_major_scales or emit_unquantized:  # the method refuses these too; the op has no slot for them
+            raise ValueError("fused_add_rmsnorm: emit_unquantized and column_major_scales need "
+                             "quant='fp8_per_token' or 'fp8_per_group'")
+        outs = torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual, weight, eps, gemma)
+        return (outs[0], None) if residual is None else (outs[0], outs[1])
+    outs = torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
+                                                  group_size, column_major_scales, emit_unquantized)
+    q, scales, rest = outs[0], outs[1], list(outs[2:])
+    residual_out = rest.pop(0) if residual is not None else None
+    out = rest.pop(0) if emit_unquantized else None
+    return q, scales, residual_out, out
+
+
+def all_gather(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``comm.all_gather(x, dim)`` through the op ``tpcomm::all_gather``: every rank's ``x``
+    concatenated along ``dim`` in rank order.
+
+    Collective: every rank calls it with the same shape and dtype.
+
+    Args:
+        comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
+        x: at least one dimension, any dtype.
+        dim: the dimension to concatenate along (negative counts from the end).
+    Returns:
+        A new contiguous tensor: ``x``'s shape with ``dim`` multiplied by the world size.
+    Raises:
+        As :meth:`tpcomm.Communicator.all_gather`; ``LookupError`` for an unknown handle.
+    """
+    handle, rank, world_size = _group_of(comm)
+    return torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size)
+
+
+def reduce_scatter(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``comm.reduce_scatter(x, dim)`` through the op ``tpcomm::reduce_scatter``: the sum over the ranks,
+    this rank's share along ``dim`` (cut as ``torch.tensor_split(sum, world_size, dim)``: the first
+    ``T % W`` ranks get one row more). Under ``torch.compile`` the output's shape depends on the rank,
+    which the op's fake implementation reads from the registered communicator.
+
+    Collective: every rank calls it with the same shape and dtype.
+
+    Args:
+        comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
+        x: at least one dimension; bf16 / fp16 / fp32 or an integer dtype.
+        dim: the dimension to scatter along (negative counts from the end).
+    Returns:
+        A new contiguous tensor, this rank's share.
+    Raises:
+        As :meth:`tpcomm.Communicator.reduce_scatter`; ``LookupError`` for an unknown handle.
+    """
+    handle, rank, world_size = _group_of(comm)
+    return torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size)

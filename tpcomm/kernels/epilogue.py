@@ -9,7 +9,11 @@ Numerics (DESIGN.md, "The numerics contract"):
   residual_out = T(f32(s) + f32(residual));
   out = T(f32(residual_out) * 1/sqrt(mean(f32(residual_out)^2) + eps) * w'), w' = f32(w) or 1 + f32(w).
 The square root and the division are the correctly rounded ones (``sqrt_rn``, ``div_rn``), so float32
-outputs differ from a float32 reference only through the order of the mean's sum.
+outputs differ from a float32 reference only through the order of the mean's sum. That sum is taken by
+pairs (:func:`tree_sum`), never with ``tl.sum`` over a tile, whose order follows the layout the compiler
+picks and changed between kernel variants on an H200 (the FP8 variant's ``out`` differed from the plain
+one's); the launchers also turn off FMA contraction (``enable_fp_fusion=False``), so ``a * b + c`` is
+always two roundings, as in the reference.
 """
 
 from dataclasses import dataclass, replace
@@ -92,6 +96,17 @@ def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL: tl.
 
 
 @triton.jit
+def tree_sum(x):
+    """Sum of a 1-D tile of a power-of-two size by pairs, ``((x0 + x1) + (x2 + x3)) + ...``: every
+    addition has two operands, so the bits do not depend on how the compiler lays the tile out over
+    threads (``tl.sum``'s order does, and it changes between kernel variants, e.g. with FP8 stores)."""
+    for _ in tl.static_range(14):  # up to 2**14 lanes (MAX_BLOCK_H is 8192)
+        if x.shape[0] > 1:
+            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
 def rms_inverse(sum_sq, H, eps):
     """``1 / sqrt(sum_sq / H + eps)`` with correctly rounded square root and divisions."""
     ms = tl.math.div_rn(sum_sq, H.to(tl.float32))
@@ -151,7 +166,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                      out_row_ptr.dtype.element_ty)
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, HAS_RESIDUAL)
-            inv = rms_inverse(tl.sum(v * v, axis=0), H, eps)
+            inv = rms_inverse(tree_sum(v * v), H, eps)
             o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, GEMMA, STORE_OUT)
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(row_amax(o, mask), FP8)
@@ -179,7 +194,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             else:
                 tl.store(out_row_ptr + cols, s, mask=mask)
         if NORM:
-            inv = rms_inverse(tl.sum(sq, axis=0), H, eps)
+            inv = rms_inverse(tree_sum(sq), H, eps)
             amax_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
             tl.debug_barrier()
             for t in tl.static_range(NUM_TILES):

@@ -187,5 +187,5 @@ def two_shot(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n
         ws.parity_elems(es), ws.max_programs, eps, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, SCATTER_ONLY=scatter_only,
         NORM=norm, HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
