@@ -55,6 +55,7 @@ def test_every_input_set_fits_its_buffer():
                 K = calls_per_replay(n, cfg)
                 assert 2 <= K <= cfg.graph_calls or (K == cfg.graph_calls == 1)
                 assert all(set_capacity(k, top, cfg) >= n for k in range(K)), (T, H, d, K)
+    assert all(set_capacity(k, top, cfg) % 16 == 0 for k in range(cfg.graph_calls))  # viewable as any dtype
 
 
 def test_large_messages_use_fewer_calls():

@@ -70,7 +70,7 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                         "(<stem>-<op>-<mode>.png) go beside it")
     b.add_argument("--graph-calls", type=_positive_int, default=20,
                    help="most calls per graph (fewer for messages over 50 MiB, see set_bytes)")
-    b.add_argument("--replays", type=_positive_int, default=30, help="most timed replays per row")
+    b.add_argument("--replays", type=_positive_int, default=20, help="most timed replays per row")
     b.add_argument("--eps", type=float, default=1e-6)
 
 

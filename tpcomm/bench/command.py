@@ -30,7 +30,7 @@ def gpu_count() -> int:
 
 def main(world_size: int | None = None, ops: tuple[str, ...] | None = None, hiddens=None, dtypes=None,
          tokens=None, modes=None, contenders: tuple[str, ...] | None = None, quick: bool = False,
-         json_path: str | None = None, graph_calls: int = 20, replays: int = 30, eps: float = 1e-6,
+         json_path: str | None = None, graph_calls: int = 20, replays: int = 20, eps: float = 1e-6,
          estimate_only: bool = False) -> int:
     """Run the sweep; print the tables; write JSON (``json_path``, default ``out/bench[-quick]-w<W>.json``)
     and one PNG per op and mode beside it.

@@ -1,11 +1,18 @@
 """How long a sweep will take on the GPU machine, printed before it starts (``--estimate`` prints it and
 exits; no GPU needed).
 
-A model of the run, fitted to the ``--quick`` run on 2 H200s (``docs/data/bench-quick-2xH200.log``):
-start-up (processes, NCCL, FlashInfer's workspaces), plus for each contender, shape and mode a fixed
-cost (binding, the check on fresh inputs, capture, the agreement steps) and the timed replays, whose
-number follows :func:`tpcomm.bench.config.replay_count`. A call is modelled as ``CALL_FLOOR_US`` plus
-its bytes at ``CALL_GBPS``. It errs long: contenders that are not installed take no time.
+A model of the run, fitted to the per-phase seconds that every JSON holds (``phases_s``), from the
+2-H200 runs in ``docs/data/bench-quick-2xH200.*`` and ``docs/data/bench-h8192-2xH200.*``:
+
+* start-up (processes, imports, NCCL, the FlashInfer and symmetric-memory workspaces);
+* tpcomm's Triton compilations, at the first call of each op, hidden size and dtype (0.6-1.2 s each);
+* per contender and shape: the check on fresh inputs, the capture and the re-check after timing (a fixed
+  part and a part per byte of the message);
+* the replays, whose count follows :func:`tpcomm.bench.config.replay_count`: a graph replay is ``K``
+  calls of ``CALL_FLOOR_US`` plus the message at ``CALL_GBPS``, plus the line-up; an eager replay is
+  ``K`` calls of at least ``EAGER_HOST_US`` (host overhead) each.
+
+It assumes every contender is installed; each one missing saves its share.
 """
 
 from __future__ import annotations
@@ -13,46 +20,58 @@ from __future__ import annotations
 from . import contenders as contenders_mod
 from .config import BenchConfig, calls_per_replay, message_bytes, replay_count, runs_shape
 
-#: Seconds before the first measurement: spawning the ranks, imports, NCCL and the workspaces.
-STARTUP_S = 35.0
-#: Seconds of Triton compilation per op, hidden size and dtype that tpcomm runs first (one or two
-#: kernels per algorithm the shapes reach).
-COMPILE_S = 1.5
-#: Fixed seconds per contender, shape and mode: bind, check (inputs of every rank, the reference),
-#: capture and agreement for graph mode; eager mode reuses the bound contender.
-FIXED_S = {"graph": 0.06, "eager": 0.015}
-#: Host and line-up cost of one replay (the all-reduce, the GPU sleep of ~100 µs, the event wait), ms.
-REPLAY_OVERHEAD_MS = 0.25
-#: A call: a latency floor and the message at a bus rate (µs, GB/s), roughly NCCL's on 2 H200s.
-CALL_FLOOR_US = 15.0
-CALL_GBPS = 250.0
+#: Start-up and wrap-up seconds outside the contenders' turns (measured: 11 s and 15 s of the two runs'
+#: 24 s and 40 s), plus the plots (about 1.5 s per op and mode).
+STARTUP_S = 15.0
+PLOT_S = 1.5
+#: The per-phase fit explains the H=8192 run's turns within 10% but the quick run's only to 1.25x: the
+#: model's turns are scaled by this margin.
+MARGIN = 1.25
+#: tpcomm's compilations per hidden size and dtype, seconds, summed over the ops (measured at H=8192
+#: bf16: fused 0.85, fused_fp8 0.63 + 0.77 + 1.16 for its algorithms, all-gather and reduce-scatter
+#: 0.02 each; all-reduce shares the fused kernels).
+COMPILE_S = {"fused": 0.9, "fused_fp8": 2.6, "all_reduce": 0.1, "all_gather": 0.1, "reduce_scatter": 0.1}
+#: Check + capture + re-check per contender and shape: seconds, and seconds per byte of the message
+#: (measured: ~0.01 s at 4 MiB, ~0.05 s at 256 MiB).
+FIXED_S, FIXED_S_PER_BYTE = 0.01, 1.6e-10
+#: A call on the GPU: a latency floor and the message at a bus rate (µs, GB/s); NCCL's all-reduce is
+#: 13 µs at 0.2 MiB and 0.9 ms at 256 MiB on 2 H200s, the unfused FP8 path 2.9 ms.
+CALL_FLOOR_US = 10.0
+CALL_GBPS = 200.0
+#: Host time of an eager call: tpcomm ~150 µs, NCCL + torch epilogue ~85, FlashInfer TRT-LLM ~22.
+EAGER_HOST_US = 80.0
+#: Refill, line-up all-reduce, GPU sleep (graph) or host synchronisation (eager), event wait, ms.
+REPLAY_OVERHEAD_MS = {"graph": 0.45, "eager": 0.3}
 
 
 def _call_us(nbytes: int) -> float:
     return CALL_FLOOR_US + nbytes / (CALL_GBPS * 1e3)
 
 
+def item_seconds(nbytes: int, mode: str, cfg: BenchConfig) -> float:
+    """Seconds one contender spends on one shape in ``mode`` (fixed part excluded)."""
+    K = calls_per_replay(nbytes, cfg)
+    per_call = _call_us(nbytes) if mode == "graph" else max(_call_us(nbytes), EAGER_HOST_US)
+    replay_ms = K * per_call / 1e3
+    reps = replay_count(replay_ms, cfg) + max(1, cfg.warmup_replays)
+    return reps * (replay_ms + REPLAY_OVERHEAD_MS[mode]) / 1e3
+
+
 def estimate_seconds(cfg: BenchConfig) -> float:
     """Seconds of device time the sweep of ``cfg`` is expected to take (every contender installed)."""
     cs = contenders_mod.make(cfg.contenders)
-    total = STARTUP_S
-    ops = ("copy",) + tuple(cfg.ops)
-    tp_ops = [op for op in cfg.ops]
-    total += COMPILE_S * len(tp_ops) * len(cfg.hiddens) * len(cfg.dtypes)
+    fixed = STARTUP_S + PLOT_S * len(cfg.ops) * len(cfg.modes)
+    fixed += sum(COMPILE_S[op] for op in cfg.ops) * len(cfg.hiddens) * len(cfg.dtypes)
+    total = 0.0
     for d in cfg.dtypes:
         for H in cfg.hiddens:
             for T in cfg.tokens:
                 n = message_bytes(T, H, d)
-                K = calls_per_replay(n, cfg)
-                replay_ms = K * _call_us(n) / 1e3
-                reps = replay_count(replay_ms, cfg) + max(1, cfg.warmup_replays)
-                for op in ops:
+                for op in ("copy",) + tuple(cfg.ops):
                     if runs_shape(op, T, cfg.world_size):
                         continue
                     for c in cs:
-                        if op not in c.ops:
-                            continue
-                        for mode in cfg.modes:
-                            if mode in c.modes:
-                                total += FIXED_S[mode] + reps * (replay_ms + REPLAY_OVERHEAD_MS) / 1e3
-    return total
+                        if op in c.ops:
+                            total += FIXED_S + FIXED_S_PER_BYTE * n
+                            total += sum(item_seconds(n, m, cfg) for m in cfg.modes if m in c.modes)
+    return fixed + MARGIN * total
