@@ -19,8 +19,14 @@ from numerics import all_inputs, bits, out_ulp_tolerance, residual_input, ulp_di
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical (shape, dtype and bits)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    """Bit-identical (shape, dtype and bits; FP8 and integer tensors compared as they are)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(bits(a), bits(b))
 
 
 def _error(fn):
@@ -63,6 +69,19 @@ def wrappers_match_methods(ctx, seed, shape, dtype_name):
             if with_res:
                 ok = ok and _same(ro_o, ro_m)
             got[f"fused(gemma={gemma}, residual={with_res})"] = ok
+    for dim in (0, -1):
+        g_m, g_o = comm.all_gather(x, dim), tops.all_gather(comm, x, dim)
+        got[f"all_gather(dim={dim})"] = _same(g_o, g_m) and _same(g_o, torch.cat(xs, dim))
+        rs_m, rs_o = comm.reduce_scatter(x, dim), tops.reduce_scatter(comm, x, dim)
+        share = torch.tensor_split(tpcomm.reduce_in_rank_order(xs), ctx.world_size, dim)[ctx.rank]
+        got[f"reduce_scatter(dim={dim})"] = _same(rs_o, rs_m) and _same(rs_o, share)
+    for quant, kw in (("fp8_per_token", {}), ("fp8_per_group", {"group_size": 8, "emit_unquantized": True}),
+                      ("fp8_per_group", {"group_size": 8, "column_major_scales": True})):
+        m = comm.fused_add_rmsnorm(x, res, w, quant=quant, **kw)
+        o = tops.fused_add_rmsnorm(comm, x, res, w, quant=quant, **kw)
+        ok = all((a is None) == (b is None) for a, b in zip(o, m))
+        ok = ok and all(a is None or (_same(a, b) and a.stride() == b.stride()) for a, b in zip(o, m))
+        got[f"{quant}{sorted(kw)}"] = ok
     got["inputs_untouched"] = _same(x, x0) and _same(res, res0)
     return got
 
@@ -83,6 +102,13 @@ def opcheck_case(ctx):
         "all_reduce_out": (torch.ops.tpcomm.all_reduce_out.default, (h, x, torch.empty_like(x))),
         "fused_add_rmsnorm": (torch.ops.tpcomm.fused_add_rmsnorm.default, (h, x, res, w, 1e-6, False)),
         "fused_rmsnorm_gemma": (torch.ops.tpcomm.fused_add_rmsnorm.default, (h, x, None, w, 1e-6, True)),
+        "fused_fp8_per_token": (torch.ops.tpcomm.fused_add_rmsnorm_fp8.default,
+                                (h, x, res, w, 1e-6, False, "fp8_per_token", torch.float8_e4m3fn, 128, False, True)),
+        "fused_fp8_per_group_column_major": (torch.ops.tpcomm.fused_add_rmsnorm_fp8.default,
+                                             (h, x, None, w, 1e-6, False, "fp8_per_group", torch.float8_e4m3fn, 16,
+                                              True, False)),
+        "all_gather": (torch.ops.tpcomm.all_gather.default, (h, x, 1, comm.rank, comm.world_size)),
+        "reduce_scatter": (torch.ops.tpcomm.reduce_scatter.default, (h, x, 0, comm.rank, comm.world_size)),
     }
     report = {}
     for name, (op, args) in cases.items():
@@ -99,7 +125,8 @@ def opcheck_case(ctx):
 class _Layer(torch.nn.Module):
     """A tensor-parallel-style layer that calls every op: a matmul (an extern kernel under Inductor, so
     the same bits as eager), all_reduce, fused add + RMSNorm, all_reduce into a new ``out``, the same in
-    place, and the no-residual Gemma form."""
+    place, the no-residual Gemma form, the FP8 per-group form, reduce_scatter along rows (a
+    rank-dependent shape) and columns, and all_gather of the columns."""
 
     def __init__(self, comm, hidden: int, dtype, seed: int):
         super().__init__()
@@ -116,14 +143,20 @@ class _Layer(torch.nn.Module):
         tops.all_reduce(self.comm, h, out=buf)
         tops.all_reduce(self.comm, buf, out=buf)  # in place, fed by the previous call
         out, none = tops.fused_add_rmsnorm(self.comm, buf @ self.w_in, None, self.w_norm, gemma=True)
-        return out, residual, buf, none is None
+        q, scales, residual, unq = tops.fused_add_rmsnorm(self.comm, out, residual, self.w_norm,
+                                                          quant="fp8_per_group", group_size=8)
+        rows = tops.reduce_scatter(self.comm, buf, 0)  # this rank's rows: the shape depends on the rank
+        cols = tops.reduce_scatter(self.comm, out, -1)
+        gathered = tops.all_gather(self.comm, cols, -1)
+        return (out, residual, buf, q, scales, rows, gathered), none is None and unq is None
 
 
 def compile_case(ctx, hidden, token_counts, seed):
     """``torch.compile(fullgraph=True)`` (Inductor) of :class:`_Layer`, with the token dimension marked
     dynamic (as engines do): one compilation serves every token count (>= 2: Inductor specialises 0
     and 1), and each compiled call is bit-identical to eager on the same inputs.
-    Returns ``{"frames", "calls": [{T, same: [bool per output], none_ok}]}``."""
+    Returns ``{"frames", "calls": [{T, same: [bool per output], none_ok, rows}]}`` (``rows``: how many
+    rows the compiled reduce_scatter returned to this rank)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -140,8 +173,8 @@ def compile_case(ctx, hidden, token_counts, seed):
             torch._dynamo.mark_dynamic(x, 0)
             torch._dynamo.mark_dynamic(res, 0)
             comp = compiled(x, res)
-            calls.append({"T": T, "same": [_same(a, b) for a, b in zip(comp[:3], eager[:3])],
-                          "none_ok": comp[3] and eager[3]})
+            calls.append({"T": T, "same": [_same(a, b) and a.stride() == b.stride() for a, b in zip(comp[0], eager[0])],
+                          "none_ok": comp[1] and eager[1], "rows": comp[0][5].shape[0]})
     return {"frames": counter.frame_count, "calls": calls}
 
 

@@ -6,6 +6,11 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
     torch.ops.tpcomm.all_reduce_out(handle, x, out) -> ()                # writes out (out may be x)
     torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual?, weight, eps, gemma) -> Tensor[]
         # [out, residual_out] with a residual, [out] without one
+    torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
+                                          group_size, column_major_scales, emit_unquantized) -> Tensor[]
+        # [q, scales] + [residual_out] with a residual + [out] with emit_unquantized
+    torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
+    torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
 
 Each op runs the :class:`~tpcomm.Communicator` method of the same name; it has a fake (meta)
 implementation that gives the output's shape, dtype, device and strides without running anything, so
@@ -18,9 +23,14 @@ Why a handle: an op's arguments are tensors and plain values, not a Python objec
 live in a registry of this module. :func:`register` gives each communicator an ``int`` handle, once
 (calling it again returns the same one); the registry holds communicators weakly, and handles are never
 reused, so a compiled graph that outlives its communicator raises instead of talking to another one.
-The wrappers here (:func:`all_reduce`, :func:`fused_add_rmsnorm`) take the communicator itself and look
+The wrappers here (:func:`all_reduce`, :func:`fused_add_rmsnorm`, :func:`all_gather`,
+:func:`reduce_scatter`) take the communicator itself (or a handle) and look
 its handle up in a way ``torch.compile`` folds into a constant (registering it on first use, also while
 tracing), guarded on the communicator object: a model holding another communicator recompiles.
+
+``all_gather`` and ``reduce_scatter`` also take the group's rank and size (the wrappers pass them):
+their output shapes depend on them, and a fake implementation must depend on its arguments alone
+(compiled graphs are cached on disk by their code and arguments, across processes).
 
 In a model::
 
