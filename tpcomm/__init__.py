@@ -23,4 +23,6 @@ __all__ = ["Communicator", "PeerMismatchError", "PeerTimeoutError", "TpcommError
            "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
 __all__ += ["per_group_quant_fp8", "per_token_quant_fp8", "per_group_quant_reference",
             "per_token_quant_reference"]
+from .graphs import GraphCaptureError  # noqa: E402  (tpcomm.ops, the custom ops, is imported on demand)
+__all__ += ["GraphCaptureError"]
 __version__ = "0.1.0"
