@@ -111,7 +111,8 @@ def test_every_algorithm_gives_the_same_bits(parts, case):
     """lamport, one_shot, two_shot and fallback forced on the same wide-range inputs: all_reduce and
     residual_out exactly the reference's; every output of the kernels bit-identical to one-shot's (the
     fallback's norm within the ulp tolerance); the first 1, 3 and 1000 rows alone identical to those rows
-    of the 4096-row call; both GPUs identical."""
+    of the 4096-row call (the fallback's norm outputs: test_fallback_norm_is_batch_invariant); both GPUs
+    identical."""
     check = Checks()
     sums = _part(parts, "algorithms", check)
     per_rank = [s.get("cases", {}).get(case) for s in sums]
@@ -146,4 +147,21 @@ def test_gather_and_scatter_in_cuda_graphs(parts):
         check.that(not s.get("failures", ["no result"]), f"rank {r}:\n" + "\n".join(s.get("failures", [])[:20]))
         check.that(s.get("replays") == GRAPH_REPLAYS, f"rank {r}: {s.get('replays')} replays checked")
     check.that(sums[0].get("hashes") == sums[1].get("hashes"), "the GPUs' output bits differ")
+    check.done()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "tpcomm/reference.py add_rmsnorm_reference (the fallback's epilogue) takes torch's mean over the row; "
+    "on CUDA torch chooses the reduction's order from the tensor's shape, so a row's out depends on how many "
+    "rows share the call (2x H200, torch 2.11, bf16 4096 x 4096: the first 3 rows alone differ from those "
+    "rows of the whole call in 2 elements of out_no_residual; docs/data/gpu_collective_tests_2xH200.log)"))
+def test_fallback_norm_is_batch_invariant(parts):
+    """DESIGN.md contract item 1: the number of rows never changes a row's result, for every algorithm:
+    the fallback's out, out_no_residual and out_gemma of the first 1, 3 and 1000 rows alone equal those
+    rows of the 4096-row call."""
+    check = Checks()
+    sums = _part(parts, "algorithms", check)
+    for r, s in enumerate(sums):
+        for case, summary in s.get("cases", {}).items():
+            check.that(not summary["fallback_prefix"], f"rank {r} {case}:\n" + "\n".join(summary["fallback_prefix"]))
     check.done()
