@@ -4,8 +4,9 @@ exits; no GPU needed).
 A model of the run, fitted to the per-phase seconds that every JSON holds (``phases_s``), from the
 2-H200 runs in ``docs/data/bench-quick-2xH200.*`` and ``docs/data/bench-h8192-2xH200.*``:
 
-* start-up (processes, imports, NCCL, the FlashInfer and symmetric-memory workspaces);
-* tpcomm's Triton compilations, at the first call of each op, hidden size and dtype (0.6-1.2 s each);
+* start-up (processes, imports, NCCL, the FlashInfer and symmetric-memory workspaces) and the plots;
+* tpcomm's Triton compilations, at the first call of each op, algorithm, hidden size and dtype (counted
+  once per hidden size and dtype: the kernels may share them, so this errs long);
 * per contender and shape: the check on fresh inputs, the capture and the re-check after timing (a fixed
   part and a part per byte of the message);
 * the replays, whose count follows :func:`tpcomm.bench.config.replay_count`: a graph replay is ``K``
@@ -20,17 +21,16 @@ from __future__ import annotations
 from . import contenders as contenders_mod
 from .config import BenchConfig, calls_per_replay, message_bytes, replay_count, runs_shape
 
-#: Start-up and wrap-up seconds outside the contenders' turns (measured: 11 s and 15 s of the two runs'
-#: 24 s and 40 s), plus the plots (about 1.5 s per op and mode).
-STARTUP_S = 15.0
-PLOT_S = 1.5
-#: The per-phase fit explains the H=8192 run's turns within 10% but the quick run's only to 1.25x: the
-#: model's turns are scaled by this margin.
-MARGIN = 1.25
-#: tpcomm's compilations per hidden size and dtype, seconds, summed over the ops (measured at H=8192
-#: bf16: fused 0.85, fused_fp8 0.63 + 0.77 + 1.16 for its algorithms, all-gather and reduce-scatter
-#: 0.02 each; all-reduce shares the fused kernels).
-COMPILE_S = {"fused": 0.9, "fused_fp8": 2.6, "all_reduce": 0.1, "all_gather": 0.1, "reduce_scatter": 0.1}
+#: Start-up and wrap-up seconds outside the contenders' turns (measured: 9 s of the quick run's 24 s,
+#: its 10 one-panel plots included), and seconds per plot panel (one per op, mode, dtype and hidden size).
+STARTUP_S = 8.0
+PANEL_S = 0.1
+#: The per-phase fit below explains the turns of the two runs to within 15% (H=8192: 0.95-1.08x of the
+#: measured turns; quick: 0.87x): the modelled turns are scaled by this margin.
+MARGIN = 1.15
+#: tpcomm's compilations per hidden size and dtype, seconds (measured in the quick run at H=6144 bf16:
+#: 6.4 s in all, of which the FP8 epilogue's variants 3.5 s and the fused ones 1.8 s).
+COMPILE_S = {"fused": 1.8, "fused_fp8": 3.5, "all_reduce": 0.6, "all_gather": 0.2, "reduce_scatter": 0.3}
 #: Check + capture + re-check per contender and shape: seconds, and seconds per byte of the message
 #: (measured: ~0.01 s at 4 MiB, ~0.05 s at 256 MiB).
 FIXED_S, FIXED_S_PER_BYTE = 0.01, 1.6e-10
@@ -60,7 +60,8 @@ def item_seconds(nbytes: int, mode: str, cfg: BenchConfig) -> float:
 def estimate_seconds(cfg: BenchConfig) -> float:
     """Seconds of device time the sweep of ``cfg`` is expected to take (every contender installed)."""
     cs = contenders_mod.make(cfg.contenders)
-    fixed = STARTUP_S + PLOT_S * len(cfg.ops) * len(cfg.modes)
+    panels = len(cfg.ops) * len(cfg.modes) * len(cfg.hiddens) * len(cfg.dtypes)
+    fixed = STARTUP_S + PANEL_S * panels
     fixed += sum(COMPILE_S[op] for op in cfg.ops) * len(cfg.hiddens) * len(cfg.dtypes)
     total = 0.0
     for d in cfg.dtypes:

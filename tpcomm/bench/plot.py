@@ -30,8 +30,9 @@ def plot_files(doc: dict, stem: str) -> tuple[list[str], str | None]:
     for (op, mode), rows in groups.items():
         dtypes = sorted({r["dtype"] for r in rows}, key=["bf16", "fp16", "fp32"].index)
         hiddens = sorted({r["hidden"] for r in rows})
-        fig, axes = plt.subplots(len(dtypes), len(hiddens), figsize=(3.6 * len(hiddens) + 1, 3.2 * len(dtypes) + 1),
-                                 squeeze=False, sharex=True, sharey=True)
+        width, height = max(8.0, 3.6 * len(hiddens) + 1), 3.2 * len(dtypes) + 1.6
+        fig, axes = plt.subplots(len(dtypes), len(hiddens), figsize=(width, height), squeeze=False,
+                                 sharex=True, sharey=True)
         handles = {}
         for i, d in enumerate(dtypes):
             for j, H in enumerate(hiddens):
@@ -62,9 +63,11 @@ def plot_files(doc: dict, stem: str) -> tuple[list[str], str | None]:
             continue
         fig.suptitle(f"{op}, {mode} mode\n{W} x {env.get('gpu', '?')}; median of replays, slowest rank",
                      fontsize=10)
+        ncol = 3 if width < 12 else 4
         fig.legend(list(handles.values()), [h.get_label() for h in handles.values()], loc="lower center",
-                   ncol=min(4, len(handles)), fontsize=8)
-        fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(handles) - 1) // 4), 1, 0.95))
+                   ncol=ncol, fontsize=8)
+        legend_in = 0.25 * (-(-len(handles) // ncol)) + 0.1  # inches of legend rows below the panels
+        fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.5 / height))
         path = f"{stem}-{op}-{mode}.png"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path, dpi=110)
