@@ -132,9 +132,11 @@ class _Layer(torch.nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.comm = comm
-        self.w_in = torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) / hidden ** 0.5).to(dtype),
+        dev = comm.device
+        self.w_in = torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) / hidden ** 0.5).to(dev, dtype),
                                        requires_grad=False)
-        self.w_norm = torch.nn.Parameter(weight_input(seed, hidden, dtype), requires_grad=False)
+        self.w_norm = torch.nn.Parameter(weight_input(seed, hidden, dtype).to(dev), requires_grad=False)
+        self.group_size = min(128, hidden // 4)  # FP8 scales per group: 128 (DeepSeek-V3's) where H allows
 
     def forward(self, x, residual):
         s = tops.all_reduce(self.comm, x @ self.w_in)
@@ -144,7 +146,7 @@ class _Layer(torch.nn.Module):
         tops.all_reduce(self.comm, buf, out=buf)  # in place, fed by the previous call
         out, none = tops.fused_add_rmsnorm(self.comm, buf @ self.w_in, None, self.w_norm, gemma=True)
         q, scales, residual, unq = tops.fused_add_rmsnorm(self.comm, out, residual, self.w_norm,
-                                                          quant="fp8_per_group", group_size=8)
+                                                          quant="fp8_per_group", group_size=self.group_size)
         rows = tops.reduce_scatter(self.comm, buf, 0)  # this rank's rows: the shape depends on the rank
         cols = tops.reduce_scatter(self.comm, out, -1)
         gathered = tops.all_gather(self.comm, cols, -1)
