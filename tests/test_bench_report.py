@@ -130,3 +130,15 @@ def test_bad_world_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(bench_main, "gpu_count", lambda: 2)
     assert bench_main.main(world_size=3) == 2
     assert "--world must be between 2 and 2" in capsys.readouterr().out
+
+
+def test_several_world_sizes_add_up_in_the_estimate(monkeypatch, capsys):
+    monkeypatch.setattr(bench_main, "gpu_count", lambda: 0)
+    assert bench_main.main(world_size=(2, 4), estimate_only=True, quick=True) == 0
+    both = capsys.readouterr().out
+    assert bench_main.main(world_size=2, estimate_only=True, quick=True) == 0
+    one = capsys.readouterr().out
+    assert "2,4 GPUs" in both and float(both.rsplit("(", 1)[1].split(" s)")[0]) > float(
+        one.rsplit("(", 1)[1].split(" s)")[0])
+    assert bench_main.main(world_size=1, estimate_only=True) == 2
+    assert "at least 2" in capsys.readouterr().out

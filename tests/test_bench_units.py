@@ -103,9 +103,10 @@ def test_arguments_default_to_the_full_sweep():
 
 def test_arguments_parse_lists():
     a = _parse("--ops", "fused,all_gather", "--hidden", "2880,8192", "--dtype", "fp16", "--tokens", "1,16384",
-               "--modes", "eager", "--contenders", "nccl,fi_vllm", "--quick")
+               "--modes", "eager", "--contenders", "nccl,fi_vllm", "--quick", "--world", "2,4")
     assert a.ops == ("fused", "all_gather") and a.hidden == (2880, 8192) and a.dtype == ("fp16",)
     assert a.tokens == (1, 16384) and a.modes == ("eager",) and a.contenders == ("nccl", "fi_vllm") and a.quick
+    assert a.world == (2, 4)
 
 
 @pytest.mark.parametrize("argv", [("--ops", "fused,bogus"), ("--tokens", "0"), ("--hidden", "x"),

@@ -45,7 +45,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     :class:`tpcomm.bench.config.BenchConfig`."""
     from .contenders import NAMES
 
-    b.add_argument("--world", type=_positive_int, default=None, help="GPUs (default: all visible)")
+    b.add_argument("--world", type=int_list, default=None,
+                   help="GPUs, or comma-separated world sizes to run one after another, e.g. 2,4,8 "
+                        "(default: all visible)")
     b.add_argument("--ops", type=choice_list(tuple(OPS)), default=None,
                    help=f"comma-separated, from {','.join(OPS)} (default: all but fused_fp8, which is added "
                         "when tpcomm's fused_add_rmsnorm takes quant=)")

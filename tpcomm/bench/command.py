@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -28,16 +29,18 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def main(world_size: int | None = None, ops: tuple[str, ...] | None = None, hiddens=None, dtypes=None,
-         tokens=None, modes=None, contenders: tuple[str, ...] | None = None, quick: bool = False,
+def main(world_size: int | tuple[int, ...] | None = None, ops: tuple[str, ...] | None = None, hiddens=None,
+         dtypes=None, tokens=None, modes=None, contenders: tuple[str, ...] | None = None, quick: bool = False,
          json_path: str | None = None, graph_calls: int = 20, replays: int = 20, eps: float = 1e-6,
          estimate_only: bool = False) -> int:
-    """Run the sweep; print the tables; write JSON (``json_path``, default ``out/bench[-quick]-w<W>.json``)
-    and one PNG per op and mode beside it.
+    """Run the sweep for each world size; print the tables; write JSON (``json_path``, default
+    ``out/bench[-quick]-w<W>.json``; with several world sizes ``-w<W>`` is added to a given path) and one
+    PNG per op and mode beside it.
 
     Arguments left None take :class:`~tpcomm.bench.config.BenchConfig`'s defaults (the full sweep), or
-    the ``--quick`` shapes when ``quick``. ``estimate_only``: print the expected run time and exit
-    (no GPU needed; ``world_size`` defaults to 2 there).
+    the ``--quick`` shapes when ``quick``; ``world_size`` (an int or several) defaults to every visible
+    GPU. ``estimate_only``: print the expected run time and exit (no GPU needed; ``world_size`` defaults
+    to 2 there).
 
     Returns:
         0 when every tpcomm row passed its check and was timed; 1 when one failed or a rank crashed;
@@ -50,35 +53,45 @@ def main(world_size: int | None = None, ops: tuple[str, ...] | None = None, hidd
               "so it has no CPU mode: run `tpcomm demo` to check tpcomm on CPU ranks, or "
               "`tpcomm bench --estimate` for the expected run time.")
         return 2
-    W = world_size or (n if n >= 2 else 2)
-    if not estimate_only and not 2 <= W <= n:
-        print(f"tpcomm bench: --world must be between 2 and {n} (the visible GPUs), got {W}")
+    worlds = (world_size,) if isinstance(world_size, int) else tuple(world_size or (n if n >= 2 else 2,))
+    bad = [W for W in worlds if W < 2 or (W > n and not estimate_only)]
+    if bad:
+        limit = "at least 2" if estimate_only else f"between 2 and {n} (the visible GPUs)"
+        print(f"tpcomm bench: --world must be {limit}, got {bad[0]}")
         return 2
     kw = {k: tuple(v) for k, v in (("hiddens", hiddens), ("dtypes", dtypes), ("tokens", tokens),
                                   ("modes", modes)) if v is not None}
+    cfgs = []
     try:
-        cfg = BenchConfig(world_size=W, ops=tuple(ops) if ops else default_ops(),
-                          contenders=tuple(contenders) if contenders else None, graph_calls=graph_calls,
-                          replays=replays, eps=eps)
-        if quick:
-            cfg = quick_config(cfg)
-        from dataclasses import replace
-
-        cfg = replace(cfg, **kw)
-        est = estimate_seconds(cfg)
+        for W in worlds:
+            cfg = BenchConfig(world_size=W, ops=tuple(ops) if ops else default_ops(),
+                              contenders=tuple(contenders) if contenders else None, graph_calls=graph_calls,
+                              replays=replays, eps=eps)
+            if quick:
+                cfg = quick_config(cfg)
+            cfgs.append(replace(cfg, **kw))
+        ests = [estimate_seconds(cfg) for cfg in cfgs]
     except ValueError as e:
         print(f"tpcomm bench: {e}")
         return 2
+    cfg, est = cfgs[0], sum(ests)
     shapes = (f"ops {','.join(cfg.ops)}; hidden {','.join(map(str, cfg.hiddens))}; "
               f"{','.join(cfg.dtypes)}; tokens {','.join(map(str, cfg.tokens))}; {' and '.join(cfg.modes)} "
-              f"mode; {W} GPUs")
+              f"mode; {','.join(map(str, worlds))} GPUs")
     print(f"tpcomm bench: {shapes}; up to {cfg.graph_calls} calls per replay, median of up to "
           f"{cfg.replays} replays, slowest rank. Estimated device time: {est / 60:.1f} min ({est:.0f} s).",
           flush=True)
     if estimate_only:
         return 0
-    json_path = json_path or os.path.join("out", f"bench{'-quick' if quick else ''}-w{W}.json")
-    return _run(cfg, json_path, est)
+    status = 0
+    for cfg, est in zip(cfgs, ests):
+        W = cfg.world_size
+        path = json_path or os.path.join("out", f"bench{'-quick' if quick else ''}-w{W}.json")
+        if json_path and len(worlds) > 1:
+            stem, ext = os.path.splitext(json_path)
+            path = f"{stem}-w{W}{ext or '.json'}"
+        status = max(status, _run(cfg, path, est))
+    return status
 
 
 def _run(cfg: BenchConfig, json_path: str, est: float) -> int:
