@@ -1,7 +1,5 @@
 """Rank functions of tests/test_bench_cpu_ranks.py (run by the CPU rank pool, tests/harness.py)."""
 
-import torch
-
 from tpcomm.bench import contenders as contenders_mod
 from tpcomm.bench import rank as bench_rank
 from tpcomm.bench.contenders.base import Bound, Contender
