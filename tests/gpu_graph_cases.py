@@ -57,6 +57,8 @@ def all_cases(rank, world_size, cfg):
         torch.cuda.synchronize()
         summary["seconds"] = time.perf_counter() - t0
         out[name] = summary
+        print(f"[rank {rank}] {name}: {summary['seconds']:.1f} s, failures {summary.get('failures')}, "
+              f"error: {summary['error'].strip().splitlines()[-1] if summary['error'] else None}", flush=True)
         dist.barrier()  # every rank starts the next case together, even after a failure
     return out
 
