@@ -102,6 +102,53 @@ def fp8_step(y: torch.Tensor, scale: torch.Tensor, fp8) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(a), e - 1 - FP8_MANTISSA_BITS) * scale
 
 
+def scale_rule_failures(q2: torch.Tensor, s2: torch.Tensor, out2: torch.Tensor, fp8) -> list[str]:
+    """The scale rules on fused bytes ``q2`` (``(T, H)`` uint8) and scales ``s2`` (``(T, G)``), per row
+    (group), from the unquantised ``out2`` (``(T, H)``): amax 0 gives scale 1.0; a NaN gives the scale
+    0x7FC00000 and every byte the NaN byte; otherwise the amax's byte is +-MAX. Returns what failed."""
+    T, H = out2.shape
+    G = s2.shape[1]
+    o = out2.float().reshape(T, G, H // G)
+    qg = q2.reshape(T, G, H // G).to(torch.int32)
+    has_nan = o.isnan().any(-1)
+    amax = o.abs().nan_to_num(0.0).amax(-1)
+    sbits = s2.contiguous().view(torch.int32)
+    failures = []
+    zero = ~has_nan & (amax == 0)
+    if not bool((s2[zero] == 1.0).all()):
+        failures.append(f"{int((s2[zero] != 1.0).sum())} all-zero groups without scale 1")
+    if not bool((sbits[has_nan] == SCALE_NAN_BITS).all()):
+        failures.append(f"{int((sbits[has_nan] != SCALE_NAN_BITS).sum())} NaN groups without the NaN scale")
+    if not bool((qg[has_nan] == NAN_BYTE[fp8]).all()):
+        failures.append(f"{int((qg[has_nan] != NAN_BYTE[fp8]).sum())} bytes of NaN groups are not the "
+                        "NaN byte")
+    finite = ~has_nan & (amax > 0) & amax.isfinite()
+    top = (qg & 0x7F).amax(-1)[finite]
+    if not bool((top == MAX_CODE[fp8]).all()):
+        failures.append(f"{int((top != MAX_CODE[fp8]).sum())} groups whose largest byte is not +-MAX, e.g. "
+                        f"{top[top != MAX_CODE[fp8]][:4].tolist()}")
+    return failures
+
+
+def dequantised_failure(q2: torch.Tensor, s2: torch.Tensor, y32: torch.Tensor, fp8) -> str | None:
+    """``f32(q) * scale`` (``q2`` ``(T, H)`` uint8, ``s2`` ``(T, G)``) within one FP8 step (at
+    ``y / scale``, :func:`fp8_step`) of the float32 reference ``y32`` (any shape of T * H elements), and
+    NaN exactly where it is NaN; None if so, else what failed. One step covers the FP8 rounding (half a
+    step), the rounding of ``out`` to T (bf16: 2^-9 relative, far below half a step) and the order of the
+    mean's sum."""
+    deq = dequantize(q2.view(fp8), s2)
+    y = y32.reshape(deq.shape)
+    if not torch.equal(deq.isnan(), y.isnan()):
+        return f"dequantised NaNs at {int((deq.isnan() != y.isnan()).sum())} places the reference has none"
+    ok = ~y.isnan()
+    step = fp8_step(y, expand_scales(s2.float(), y.shape[1]), fp8)
+    err = (deq - y).abs()
+    bad = ok & ~(err <= step)
+    if bad.any():
+        return (f"{int(bad.sum())} dequantised values more than one FP8 step from the float32 reference, "
+                f"worst {float((err / step)[ok].max()):.2f} steps")
+    return None
+
 def norm_f32(v: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     """The contract's ``y`` before its rounding to T: ``v * rsqrt(mean(v^2) + eps) * w'``, float32."""
     v = v.to(torch.float32)
@@ -114,9 +161,9 @@ def norm_f32(v: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch
 def special_inputs(xs: list, res, dtype: torch.dtype, rank_of_nan: int) -> None:
     """Overwrite rows 0..3 of every rank's ``x`` (and of ``res``) in place, as a test of the scale rules:
     row 0 zeros everywhere (out 0: scale 1); row 1 one element 1000 on rank 0, at column H - 3 (the last
-    group; it holds the row's amax: its byte is +-MAX); row 2 a NaN on ``rank_of_nan`` (the whole row of out is NaN: scale NaN, NaN
-    bytes); row 3 huge values (bf16/fp32: 1e20, whose squares overflow float32, so the norm gives 0 and
-    the scale 1; fp16: 2000 times the random values, a large finite row)."""
+    group; it holds the row's amax: its byte is +-MAX); row 2 a NaN on ``rank_of_nan`` (the whole row of
+    out is NaN: scale NaN, NaN bytes); row 3 huge values (bf16/fp32: 1e20, whose squares overflow float32,
+    so the norm gives 0 and the scale 1; fp16: 2000 times the random values, a large finite row)."""
     for x in xs:
         x[0] = 0.0
     if res is not None:
@@ -170,7 +217,8 @@ def fp8_case(ctx, case: Fp8Case) -> dict:
     if case.max_bytes is not None:
         whole = ctx.comm()
         with whole.use_algorithm(case.algo):
-            wq, ws, wro, wout = whole.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma, **case.kwargs())
+            wq, ws, wro, wout = whole.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma,
+                                                        **case.kwargs())
         result.update(whole_q=wq.view(torch.uint8), whole_s=ws, whole_ro=wro, whole_out=wout)
     return result
 
@@ -240,7 +288,8 @@ def fp8_zero_tokens_case(ctx) -> dict:
     got = {}
     for name, shape, kw in ZERO_TOKEN_CALLS:
         x = torch.empty(shape, dtype=torch.bfloat16)
-        outs = comm.fused_add_rmsnorm(x, torch.empty_like(x), torch.ones(shape[-1], dtype=torch.bfloat16), **kw)
+        w = torch.ones(shape[-1], dtype=torch.bfloat16)
+        outs = comm.fused_add_rmsnorm(x, torch.empty_like(x), w, **kw)
         got[name] = [None if t is None else (tuple(t.shape), t.dtype, t.stride()) for t in outs]
     epoch_after = comm.workspace.epoch()
     x = torch.full((1, 64), float(ctx.rank + 1), dtype=torch.bfloat16)
