@@ -123,10 +123,7 @@ GATHER_CASES = [
 ]
 #: dtypes without a kernel: through torch.distributed, still bit for bit.
 GATHER_FALLBACK_DTYPES = [torch.int32, torch.int64, torch.bool, torch.uint8, torch.float64,
-                          pytest.param(torch.float8_e4m3fn, marks=pytest.mark.xfail(
-                              strict=True, reason="tpcomm/reference.py all_gather_reference passes FP8 "
-                              "tensors to gloo's all_gather, which raises 'Invalid scalar type'; a uint8 "
-                              "view of the bytes would gather them exactly"))]
+                          torch.float8_e4m3fn]
 
 
 def _check_gather(results, expect_plan, check, expect_launches=None):
@@ -394,11 +391,6 @@ def test_mismatched_call_raises_on_every_rank(mismatches, name):
     check.done()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tpcomm/kernels/sync.py wait_flag records an error for every failed wait, and once a wait has failed "
-    "exchange_flags gives the later waits a timeout of 0: each gives up at once and overwrites the error "
-    "words (record_error), so the error names the last peer in rank order that had not yet arrived (here "
-    "the late rank 2, whose call is right), not the peer that made another call"))
 def test_error_names_the_rank_whose_call_differs(mismatches):
     """3 ranks, rank 1 makes another call, rank 2 comes late: every rank raises, and ranks 0 and 2
     name rank 1."""
@@ -444,7 +436,7 @@ BAD_TABLES_NOT_YET = {
            "KeyError, TypeError and JSONDecodeError: a list raises AttributeError, which "
            "Communicator._load_table does not catch either, so rank 0 raises while the other ranks wait in "
            "broadcast_object_list")
-    for name in ("entries a list", "op entries a list")
+    for name in ()
 }
 
 

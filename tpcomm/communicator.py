@@ -104,7 +104,7 @@ class Communicator:
                 with open(self.env.table) as f:
                     text = f.read()
                 dispatch.CrossoverTable.from_json(text)
-            except (OSError, ValueError) as e:
+            except Exception as e:  # any failure must reach every rank (they wait in the broadcast)
                 error = f"TPCOMM_DISPATCH_TABLE={self.env.table!r} on rank 0: {e}"
         box = [(text, error)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)

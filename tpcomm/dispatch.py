@@ -95,7 +95,8 @@ class Crossover:
 
 @dataclass
 class CrossoverTable:
-    """Crossovers per op and world size; world sizes without an entry use the nearest smaller one.
+    """Crossovers per op and world size; world sizes without an entry use the nearest smaller one (or the
+    smallest entry when all are larger).
 
     ``tpcomm tune`` writes one (``to_json``) and a :class:`~tpcomm.Communicator` loads it
     (``from_json``; rank 0's file is used by every rank).
@@ -107,8 +108,8 @@ class CrossoverTable:
     def lookup(self, op: str, world_size: int) -> Crossover:
         """The :class:`Crossover` of ``op`` at ``world_size`` (or the nearest smaller world size)."""
         by_world = self.entries.get(op) or DEFAULT_TABLE.entries[op]
-        worlds = sorted(w for w in by_world if w <= world_size) or sorted(by_world)
-        return by_world[worlds[-1]]
+        below = sorted(w for w in by_world if w <= world_size)
+        return by_world[below[-1] if below else min(by_world)]
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device,
@@ -124,6 +125,10 @@ class CrossoverTable:
         """
         try:
             raw = json.loads(text)
+            if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict) or not all(
+                    isinstance(ws, dict) and all(isinstance(c, dict) for c in ws.values())
+                    for ws in raw["entries"].values()):
+                raise ValueError("expected {'entries': {op: {world_size: {thresholds}}}}")
             entries = {}
             for op, ws in raw["entries"].items():
                 if op not in OPS:
@@ -140,13 +145,17 @@ class CrossoverTable:
             raise ValueError(f"not a tpcomm crossover table: {e}") from None
 
 
-#: Defaults, measured on 2 H200s (NV18), hidden 6144, bf16, CUDA graphs (docs/benchmarks.md). Larger
-#: worlds reuse the 2-rank entries until measured (issue 8): one-shot's cost grows with W - 1 and
-#: two-shot's does not, so their crossover can only move down; tpcomm tune measures it.
+#: Defaults, measured on 2 H200s (NV18), bf16, CUDA graphs, by ``tpcomm tune --quick`` (hidden 6144 for
+#: the fused op): docs/data/run-2xH200-final/tune.log. Lamport is fastest up to its 4 MiB buffers for
+#: both ops (the all-reduce at 4 MiB: 20.5 us against 22.3 one-shot); two-shot first beats one-shot by
+#: more than the noise margin at 16 MiB for the all-reduce (59.7 against 63.4 us) and at 24 MiB for the
+#: fused op, where 12 MiB was a tie (65.8 against 66.3 us); both are set at the size where they tie or
+#: win. Larger worlds reuse the 2-rank entries until measured (issue 8): one-shot's cost grows with
+#: W - 1 and two-shot's does not, so their crossover can only move down; tpcomm tune measures it.
+_TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
 DEFAULT_TABLE = CrossoverTable({
-    # Lamport against one-shot: docs/benchmarks.md, "Lamport against one-shot" (Lamport wins up to 4 MiB).
-    "fused_add_rmsnorm": {2: Crossover(4 << 20, 8 << 20, "2xH200, docs/benchmarks.md")},
-    "all_reduce": {2: Crossover(4 << 20, 8 << 20, "2xH200, docs/benchmarks.md")},
+    "fused_add_rmsnorm": {2: Crossover(4 << 20, 12 << 20, _TUNED)},
+    "all_reduce": {2: Crossover(4 << 20, 16 << 20, _TUNED)},
     "all_gather": {2: Crossover(0, 0, "one algorithm (push)")},
     "reduce_scatter": {2: Crossover(0, 0, "one algorithm (two-shot's scatter)")},
 }, device="2x NVIDIA H200 (defaults)")

@@ -102,9 +102,11 @@ def all_gather_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     ``torch.distributed`` (the fallback). Collective: every rank passes the same shape and dtype."""
     world = dist.get_world_size(group)
     flat = x.contiguous().reshape(-1)
-    gathered = torch.empty(world * flat.numel(), dtype=x.dtype, device=x.device)
+    if x.dtype.is_floating_point and x.element_size() == 1:  # FP8: gloo has no such type; move the bytes
+        flat = flat.view(torch.uint8)
+    gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=x.device)
     _all_gather_flat(gathered, flat, group=group)
-    return gathered.view(world * x.shape[0], *x.shape[1:])
+    return gathered.view(x.dtype).view(world * x.shape[0], *x.shape[1:])
 
 
 def reduce_scatter_reference(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -49,7 +49,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, time
                 bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
                 pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
                 waited = now_ns() - start
-            if pending != 0:
+            if (pending != 0) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program)
             timeout = tl.where(pending != 0, 0, timeout)
     return timeout

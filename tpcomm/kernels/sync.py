@@ -103,8 +103,9 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     """Spin until the low 32 bits of ``*flag_ptr`` equal ``epoch`` (acquire, system scope), at most
     ``timeout`` nanoseconds, then check the signature.
 
-    Returns True when the peer arrived with this call's signature. On expiry records ``ERR_TIMEOUT``, on
-    another signature ``ERR_MISMATCH`` (:func:`record_error`), and returns False.
+    Returns True when the peer arrived with this call's signature. On expiry records ``ERR_TIMEOUT`` (not
+    when ``timeout`` is 0: an earlier wait failed and its error, which names the peer really missing,
+    stays), on another signature ``ERR_MISMATCH`` (:func:`record_error`), and returns False.
     The caller runs ``tl.debug_barrier()`` before loading the data this flag publishes.
     """
     want = epoch.to(tl.int64) & 0xFFFFFFFF
@@ -117,7 +118,8 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     arrived = (seen & 0xFFFFFFFF) == want
     same_call = (seen >> 32) == signature.to(tl.int64)
     if not arrived:
-        record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program)
+        if timeout > 0:  # a wait that gave up at once follows an error already recorded: keep that one
+            record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program)
     elif not same_call:
         record_error(err_ptr, state_ptr, ERR_MISMATCH, peer, epoch, program)
     return arrived & same_call
