@@ -178,3 +178,19 @@ def test_tpcomm_check_reports_an_invalid_setting(capsys, monkeypatch):
     monkeypatch.setenv("TPCOMM_TIMEOUT_S", "soon")
     assert cli_main(["check"]) == 1
     assert "INVALID" in capsys.readouterr().out
+
+
+def test_parse_the_captured_h200_matrix():
+    """The real output of 2 H200s (docs/data/topo_2xH200.txt: ``nvidia-smi topo -m``, then ``---`` and the
+    ``--query-gpu`` lines), as captured on the GPU machine."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data",
+                        "topo_2xH200.txt")
+    matrix, query = open(path).read().split("\n---\n")
+    assert topology.parse_topo_matrix(matrix) == {(0, 1): "NV18", (1, 0): "NV18"}
+    rows = topology.parse_gpu_query(query)
+    assert [r["index"] for r in rows] == [0, 1]
+    # CUDA_VISIBLE_DEVICES=1,0 as CUDA reports the GPUs (UUID without GPU-, bus id from the properties)
+    visible = [{"uuid": rows[1]["uuid"][4:], "bus_id": None}, {"uuid": None, "bus_id": "0000:00:06"}]
+    assert topology.map_visible_to_physical(visible, rows, "1,0") == [1, 0]
