@@ -12,6 +12,7 @@ failure messages, digests of the bytes for the cross-rank comparison), never the
 from __future__ import annotations
 
 import hashlib
+import time
 import traceback
 
 import torch
@@ -160,7 +161,11 @@ def fp8_gpu_body(rank, world_size, cases, graph_calls, replays) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     comm = tpcomm.Communicator()
     summaries = {}
-    for case in cases:
+    t0 = time.perf_counter()
+    for i, case in enumerate(cases):
+        if rank == 0 and i % 25 == 0:  # progress in the log (pytest -s), should the launch time out
+            print(f"[fused fp8 gpu] case {i}/{len(cases)} {case[0]} at {time.perf_counter() - t0:.1f} s",
+                  flush=True)
         try:
             summary = run_case(comm, rank, world_size, case, device)
             summary["error"] = None
@@ -171,6 +176,8 @@ def fp8_gpu_body(rank, world_size, cases, graph_calls, replays) -> dict:
             comm = tpcomm.Communicator()
         summaries[case[0]] = summary
     comm.close()
+    if rank == 0:
+        print(f"[fused fp8 gpu] {len(cases)} cases in {time.perf_counter() - t0:.1f} s; graph", flush=True)
     graph_comm = tpcomm.Communicator()
     try:
         graph = graph_replays(graph_comm, rank, world_size, graph_calls, replays, 777, device)

@@ -94,8 +94,9 @@ def _u8_equal(check, got, want, what):
         check.that(False, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
         return
     diff = got != want
-    check.that(not diff.any(), f"{what}: {int(diff.sum())} bytes differ, first at {diff.nonzero()[:4].tolist()}"
-                               f": {got[diff][:4].tolist()} vs {want[diff][:4].tolist()}")
+    first = diff.nonzero()[:4].tolist()
+    check.that(not diff.any(), f"{what}: {int(diff.sum())} bytes differ, first at {first}: "
+                               f"{got[diff][:4].tolist()} vs {want[diff][:4].tolist()}")
 
 
 def _scales_equal(check, got, want, what):
