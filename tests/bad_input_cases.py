@@ -592,6 +592,96 @@ CASES["sum overflows to Inf float16"] = lambda k: _special(k, None, torch.float1
 CASES["sum overflows to Inf float32"] = lambda k: _special(k, None, torch.float32, "overflow")
 
 
+# all_gather and reduce_scatter -----------------------------------------------------------------------------
+def check_gather(fails: list, y: torch.Tensor, xs: list, dim: int = 0) -> None:
+    """``y`` is every rank's ``x`` concatenated along ``dim`` in rank order, bit for bit."""
+    want = torch.cat([x.cpu() for x in xs], dim)
+    if y.shape != want.shape or y.dtype != want.dtype:
+        fails.append(f"all_gather: {tuple(y.shape)} {y.dtype}, expected {tuple(want.shape)} {want.dtype}")
+    elif not torch.equal(y.cpu().contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)):
+        fails.append("all_gather: bytes differ from torch.cat of the inputs")
+
+
+def check_scatter(fails: list, y: torch.Tensor, xs: list, rank: int, dim: int = 0) -> None:
+    """``y`` is this rank's ``torch.tensor_split`` share of the exact sum along ``dim``."""
+    total = tpcomm.reduce_in_rank_order([x.cpu() for x in xs]) if xs[0].is_floating_point() else \
+        sum(x.cpu().to(torch.int64) for x in xs).to(xs[0].dtype)
+    want = torch.tensor_split(total, len(xs), dim)[rank]
+    if y.shape != want.shape or y.dtype != want.dtype:
+        fails.append(f"reduce_scatter: {tuple(y.shape)} {y.dtype}, expected {tuple(want.shape)} {want.dtype}")
+    elif y.is_floating_point():
+        _catch(fails, assert_same_values, y.cpu(), want, "reduce_scatter")
+    elif not torch.equal(y.cpu(), want):
+        fails.append("reduce_scatter: differs from the exact share")
+
+
+def _gather_case(k: Kit, seed: int, shape, layout: str = "flat", dtype=torch.bfloat16, dim: int = 0) -> list:
+    fails: list = []
+    xs = k.xs(seed, shape, torch.float32)
+    xs = [x.to(dtype) for x in xs]
+    g = Guarded(xs[k.rank], layout) if dtype.is_floating_point and dtype.itemsize > 1 else None
+    y = k.comm().all_gather(g.view if g else xs[k.rank], dim=dim)
+    check_gather(fails, y, xs, dim)
+    if g:
+        _input_untouched(fails, "all_gather", g)
+    return fails
+
+
+def _scatter_case(k: Kit, seed: int, shape, layout: str = "flat", dtype=torch.bfloat16, dim: int = 0) -> list:
+    fails: list = []
+    xs = [x.to(dtype) for x in k.xs(seed, shape, torch.float32)]
+    g = Guarded(xs[k.rank], layout) if dtype.is_floating_point else None
+    y = k.comm().reduce_scatter(g.view if g else xs[k.rank], dim=dim)
+    check_scatter(fails, y, xs, k.rank, dim)
+    if g:
+        _input_untouched(fails, "reduce_scatter", g)
+    return fails
+
+
+CASES["all_gather int32 x"] = lambda k: _gather_case(k, 70, (3, 16), dtype=torch.int32)
+CASES["all_gather float8_e4m3fn x"] = lambda k: _gather_case(k, 71, (3, 16), dtype=torch.float8_e4m3fn)
+CASES["all_gather x[:, ::2]"] = lambda k: _gather_case(k, 72, LAYOUT_SHAPE, "strided")
+CASES["all_gather x[1:] of a flat buffer"] = lambda k: _gather_case(k, 73, LAYOUT_SHAPE, "offset")
+CASES["all_gather x.t()"] = lambda k: _gather_case(k, 74, LAYOUT_SHAPE, "transposed")
+CASES["all_gather 3-D (B, S, H), dim=1"] = lambda k: _gather_case(k, 75, (2, 3, 16), dim=1)
+CASES["reduce_scatter int32 x"] = lambda k: _scatter_case(k, 76, (4, 16), dtype=torch.int32)
+CASES["reduce_scatter 5 rows (T % W != 0)"] = lambda k: _scatter_case(k, 77, (5, 16))
+CASES["reduce_scatter 1 row (fewer rows than ranks)"] = lambda k: _scatter_case(k, 78, (1, 16))
+CASES["reduce_scatter x[1:] of a flat buffer"] = lambda k: _scatter_case(k, 79, (4, 16), "offset")
+CASES["reduce_scatter x[:, ::2]"] = lambda k: _scatter_case(k, 80, (4, 16), "strided")
+CASES["reduce_scatter dim=-1"] = lambda k: _scatter_case(k, 81, (3, 32), dim=-1)
+
+
+@case("all_gather zero rows (0, H)")
+def _(k):
+    y = k.comm().all_gather(torch.empty(0, 16, dtype=torch.bfloat16, device=k.device))
+    return [] if tuple(y.shape) == (0, 16) else [f"all_gather returned {tuple(y.shape)}"]
+
+
+@case("reduce_scatter zero rows (0, H)")
+def _(k):
+    y = k.comm().reduce_scatter(torch.empty(0, 16, dtype=torch.bfloat16, device=k.device))
+    return [] if tuple(y.shape) == (0, 16) else [f"reduce_scatter returned {tuple(y.shape)}"]
+
+
+@case("all_gather 0-dim x")
+def _(k):
+    k.comm().all_gather(torch.tensor(1.0, device=k.device))
+    return ["no exception"]
+
+
+@case("all_gather dim out of range")
+def _(k):
+    k.comm().all_gather(torch.ones(2, 16, device=k.device), dim=2)
+    return ["no exception"]
+
+
+@case("reduce_scatter float8_e4m3fn x")
+def _(k):
+    k.comm().reduce_scatter(torch.ones(2, 16, device=k.device).to(torch.float8_e4m3fn))
+    return ["no exception"]
+
+
 # devices (GPU only) ----------------------------------------------------------------------------------------------
 def _on(k: Kit, which: str) -> torch.device:
     """``cpu``, or the other GPU of a 2-GPU machine."""
@@ -781,6 +871,24 @@ EXPECTED: dict[str, dict] = {
     "fused exactly max_bytes, padded rows (6 x 40 bf16, max_bytes 480)": result(2),
     "fused one row wider than max_bytes (1 x 80 fp32, max_bytes 256)": result(0, FALLBACK),
     **{name: result(3) for name in CASES if name.startswith(("NaN/Inf", "sum overflows"))},
+    "all_gather int32 x": result(0, FALLBACK),
+    "all_gather float8_e4m3fn x": result(0, FALLBACK),
+    "all_gather x[:, ::2]": result(1),
+    "all_gather x[1:] of a flat buffer": result(1),
+    "all_gather x.t()": result(1),
+    "all_gather 3-D (B, S, H), dim=1": result(1),
+    "reduce_scatter int32 x": result(0, FALLBACK),
+    "reduce_scatter 5 rows (T % W != 0)": result(1),
+    "reduce_scatter 1 row (fewer rows than ranks)": result(1),
+    "reduce_scatter x[1:] of a flat buffer": result(1),
+    "reduce_scatter x[:, ::2]": result(1),
+    # moved to rows of 3 elements: narrower than MIN_SCATTER_ROW (communicator.py), so the fallback
+    "reduce_scatter dim=-1": result(0, FALLBACK),
+    "all_gather zero rows (0, H)": result(0, EMPTY),
+    "reduce_scatter zero rows (0, H)": result(0, EMPTY),
+    "all_gather 0-dim x": raises(ValueError, "x", "all_gather"),
+    "all_gather dim out of range": raises(ValueError, "dim", "all_gather"),
+    "reduce_scatter float8_e4m3fn x": raises(TypeError, "x", "reduce_scatter"),
 }
 
 #: GPU-only cases: every tensor argument on the CPU or on the other GPU is refused, naming it.
@@ -806,12 +914,14 @@ def describe(outcome: dict) -> str:
 
 def doc_row(name: str, outcome: dict, gpu: bool = False) -> str:
     """The row of ``name`` in the table of docs/reliability.md: op, input, what happens, test."""
-    if name.startswith("all_reduce "):
-        op, what = "all_reduce", name[len("all_reduce "):]
-    elif name.startswith("fused "):
-        op, what = "fused_add_rmsnorm", name[len("fused "):]
-    else:
-        op, what = "both (fused with and without residual)", name
+    for prefix, op in (("all_reduce ", "all_reduce"), ("all_gather ", "all_gather"),
+                       ("reduce_scatter ", "reduce_scatter"), ("fused ", "fused_add_rmsnorm")):
+        if name.startswith(prefix):
+            return _row(op, name[len(prefix):], outcome, gpu, name)
+    return _row("all_reduce and fused (with and without residual)", name, outcome, gpu, name)
+
+
+def _row(op: str, what: str, outcome: dict, gpu: bool, name: str) -> str:
     test = ("test_gpu_bad_inputs.py::test_gpu_bad_input" if gpu else "test_bad_inputs.py::test_bad_input")
     return f"| {op} | {what} | {describe(outcome)} | `{test}[{name}]` |"
 
