@@ -331,11 +331,7 @@ MISMATCHES = {
                                                     ("fused", (4, 64), BF16, "two_shot"))),
 }
 #: Faults that do not raise on every rank, and why.
-MISMATCH_NOT_YET = {
-    "all_reduce, other size on the same grid [lamport]":
-        "Lamport has no call signature (see NOT_YET in tests/test_faults.py): the rank expecting 4100 "
-        "elements finds every element it polls filled by the peer's 4150 and returns",
-}
+MISMATCH_NOT_YET: dict = {}  # none since Lamport carries the call signature (call tags)
 #: Longer timeouts where the expected outcome needs a peer to arrive within it (the xfail above: the
 #: 4150-element rank must have pushed before the 4100-element one gives up, or both raise by luck).
 MISMATCH_TIMEOUTS = {"all_reduce, other size on the same grid [lamport]": 2.0}

@@ -480,11 +480,9 @@ class Communicator:
                         residual_out[a:b] if residual_out is not None else None,
                         weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
-                if use_lamport:
-                    lamport(*args, quant=q)
-                else:
-                    one_shot(*args, call_signature(op, "one_shot", str(x.dtype), numel, r0, r1, H, norm,
-                                                   residual is not None, gemma), quant=q)
+                sig = call_signature(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
+                                     residual is not None, gemma, quant.mode if quant else 0)
+                (lamport if use_lamport else one_shot)(*args, sig, quant=q)
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
                       scatter_only=False, quant=None):
@@ -498,7 +496,7 @@ class Communicator:
             for j0 in range(0, longest, per_launch):
                 n_local = min(per_launch, longest - j0)
                 sig = call_signature(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
-                                     residual is not None, gemma)
+                                     residual is not None, gemma, quant.mode if quant else 0, scatter_only)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
                          gemma, sig, scatter_only, quant)
 

@@ -5,6 +5,7 @@ Every rank holds one buffer of the same size, mapped by every other rank of the 
     [ signal pad: int64 flags [2 parities][2 phases][max_programs][world_size], padded to 256 bytes ]
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
     [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
+    [ Lamport call tags: int32 [2 parities][max_programs][world_size], every word 0x80008000 ]
 
 Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it. Two int64 tables on the
 kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
@@ -65,7 +66,9 @@ class Workspace:
         self.flag_bytes = _round_up(2 * PHASES * max_programs * self.world_size * 8, _ALIGN)
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
         self.data_bytes = 2 * self.world_size * self.slot_bytes
-        self.total_bytes = self.flag_bytes + self.data_bytes + 2 * self.world_size * self.lamport_slot_bytes
+        self.lamport_bytes = 2 * self.world_size * self.lamport_slot_bytes
+        self.tag_bytes = _round_up(2 * self.world_size * max_programs * 4, _ALIGN)
+        self.total_bytes = self.flag_bytes + self.data_bytes + self.lamport_bytes + self.tag_bytes
         self.timeout_s = timeout_s
         self.timeout = int(timeout_s * 1e9)  # nanoseconds, as the kernels' waits count them
         self._shm_paths: list[str] = []
@@ -160,6 +163,11 @@ class Workspace:
     def share_rows_per_launch(self, hidden: int, element_size: int) -> int:
         """Rows of one rank's share that one two-shot (or reduce-scatter) launch can carry."""
         return self.half_slot_elems(element_size) // self.row_stride(hidden, element_size)
+
+    def tag_offset(self) -> int:
+        """int32 elements from a rank's Lamport base to its call tags (the Lamport kernel's signature
+        check: one tag per parity, sending rank and program, holding the call's signature)."""
+        return self.lamport_bytes // 4
 
     def lamport_rows_per_launch(self, hidden: int, element_size: int) -> int:
         """Rows of ``hidden`` 16-bit elements one Lamport launch can carry."""

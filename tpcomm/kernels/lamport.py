@@ -10,6 +10,12 @@ has the sentinel's bits. It then polls its own buffer until no element of the ro
 sentinel, sums in rank order with the same ``epilogue.py`` code as every other algorithm (so the bits are
 the same), runs the epilogue and writes the sentinel back into what it read (re-arming the buffer).
 
+Call tags: after its rows, each program stores the call's signature (as ``one_shot.py``'s flags carry it)
+into an int32 tag of every peer, indexed by parity, program and sender, and checks the tags its peers
+sent it before reading their rows (re-arming them as it does the rows). A peer that made a different
+call (another op, size or dtype of the same bytes) is reported as ``ERR_MISMATCH``, or as a timeout when
+its program never ran, instead of returning wrong values.
+
 Sync protocol: no flags, no fences and no barrier across ranks: a peer's 2-byte element is either the
 sentinel or the value (elements are checked one by one, so a store can't tear). Polls are volatile loads
 (never cached, never hoisted), bounded by the timeout. Buffers alternate by epoch parity; two are enough,
@@ -26,10 +32,39 @@ import triton
 import triton.language as tl
 
 from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row
-from .sync import finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_timeout
+from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
+                   record_timeout)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
+#: An unwritten call tag: two sentinels read as one int32 (0x80008000); signatures are positive.
+TAG_SENTINEL = tl.constexpr(-2147450880)
+
+
+@triton.jit
+def _check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
+    """Wait (bounded) for every peer's call tag of this program (``tag_ptr + q``: the tag peer ``q``'s same
+    program sent)
+    and compare it with this call's signature; re-arm each tag. On another signature records
+    ``ERR_MISMATCH``. Returns the timeout left: ``timeout``, or 0 once a wait failed."""
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            seen = tl.load(tag_ptr + q, volatile=True)
+            start = now_ns()
+            waited = start - start
+            while (seen == TAG_SENTINEL) & (waited < timeout):
+                seen = tl.load(tag_ptr + q, volatile=True)
+                waited = now_ns() - start
+            if seen == TAG_SENTINEL:
+                if timeout > 0:
+                    record_timeout(err_ptr, state_ptr, q, epoch, program)
+                timeout = 0
+            else:
+                tl.store(tag_ptr + q, TAG_SENTINEL)
+                if seen != signature:
+                    record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program)
+                    timeout = 0
+    return timeout
 
 
 @triton.jit
@@ -59,7 +94,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, time
 def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                     buf_table_ptr, state_ptr, err_ptr,
                     n_rows, H, numel, row_stride, slot_stride, parity_stride,
-                    eps, timeout, rank,
+                    eps, timeout, rank, signature, tag_off, max_programs,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                     QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
@@ -84,8 +119,16 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                 if q != rank:
                     dst = peer_ptr(buf_table_ptr, q, tl.int16)
                     tl.store(dst + dst_off + cols, bits, mask=mask)
+    # ... and this program's call tag (the call's signature) into each peer's tag [par][pid][rank].
+    tag_idx = tag_off + (par * max_programs + pid) * WORLD
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            tl.store(peer_ptr(buf_table_ptr, q, tl.int32) + tag_idx + rank, signature)
 
-    # 2. Per row: wait for every peer's tiles, reduce + epilogue, re-arm what was read.
+    # 2. Check the peers' call tags, then per row: wait for every peer's tiles, reduce + epilogue, re-arm
+    #    what was read.
+    timeout = _check_tags(peer_ptr(buf_table_ptr, rank, tl.int32) + tag_idx, rank, signature, epoch, pid,
+                          timeout, err_ptr, state_ptr, WORLD)
     recv = peer_ptr(buf_table_ptr, rank, x_ptr.dtype.element_ty) + par * parity_stride
     recv_bits = peer_ptr(buf_table_ptr, rank, tl.int16) + par * parity_stride
     for row in range(pid, n_rows, num_programs):
@@ -114,7 +157,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
 
 
 def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-            cfg, norm: bool, gemma: bool, quant=None) -> None:
+            cfg, norm: bool, gemma: bool, signature: int, quant=None) -> None:
     """Launch the Lamport kernel on rows ``[0, n_rows)``; arguments as :func:`one_shot.one_shot`.
 
     ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
@@ -128,7 +171,7 @@ def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps
         ws.lamport_table, ws.state, ws.err,
         n_rows, H, x.numel(), ws.row_stride(H, 2), ws.lamport_slot_bytes // 2,
         ws.world_size * ws.lamport_slot_bytes // 2,
-        eps, ws.timeout, ws.rank,
+        eps, ws.timeout, ws.rank, signature, ws.tag_offset(), ws.max_programs,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         num_warps=cfg.num_warps, enable_fp_fusion=False,
