@@ -94,9 +94,9 @@ def opcheck_case(ctx):
 
     comm = ctx.comm()
     h = tops.register(comm)
-    x = all_inputs(2100, ctx.world_size, (3, 48), torch.bfloat16)[ctx.rank]
-    res = residual_input(2100, (3, 48), torch.bfloat16)
-    w = weight_input(2100, 48, torch.bfloat16)
+    x = all_inputs(2100, ctx.world_size, (3, 32), torch.bfloat16)[ctx.rank]
+    res = residual_input(2100, (3, 32), torch.bfloat16)
+    w = weight_input(2100, 32, torch.bfloat16)
     cases = {
         "all_reduce": (torch.ops.tpcomm.all_reduce.default, (h, x)),
         "all_reduce_out": (torch.ops.tpcomm.all_reduce_out.default, (h, x, torch.empty_like(x))),

@@ -10,9 +10,9 @@ import pytest
 import ops_cases
 from numerics import Checks
 
-#: Steps of interleaved calls: every op of MULTI_STEPS on each communicator, both call orders, both
-#: call paths (ops / methods), a delayed rank at each step.
-STEPS = 8
+#: Steps of interleaved calls: every op of MULTI_STEPS on each communicator (4 steps cycle through
+#: them), both call paths (ops on odd steps, methods on even ones), a delayed rank at each step.
+STEPS = 6
 #: Seconds one rank (a different one each step) sleeps before its calls.
 SKEW_S = 0.05
 

@@ -94,12 +94,15 @@ def test_graph_helpers_refuse_bad_arguments():
 
 
 # -- on ranks ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,dtype", [((2, 40), "bfloat16"), ((2, 24), "float32")], ids=["bf16-2x40", "fp32-2x24"])
-def test_wrappers_match_the_communicator_methods(pool, shape, dtype):
-    """Each wrapper (all_reduce new / out / in place, fused with and without residual, Gemma) gives the
-    method's bits on the same inputs, writes every element of a NaN-filled ``out``, leaves its inputs
-    alone."""
-    results = pool.run(ops_cases.wrappers_match_methods, 2200, shape, dtype)
+# bf16 on 2 ranks, fp32 on 3 (each wrapper runs about 20 calls under the interpreter: one world size each)
+@pytest.mark.parametrize("world,shape,dtype", [(2, (2, 40), "bfloat16"), (3, (2, 24), "float32")],
+                         ids=["w2-bf16-2x40", "w3-fp32-2x24"])
+def test_wrappers_match_the_communicator_methods(pools, world, shape, dtype):
+    """Each wrapper (all_reduce new / out / in place, fused with and without residual, Gemma, the FP8
+    forms, all_gather and reduce_scatter along dims 0 and -1 with rows not divisible by 3) gives the
+    method's bits (and strides) on the same inputs, writes every element of a NaN-filled ``out``, leaves
+    its inputs alone."""
+    results = pools.get(world).run(ops_cases.wrappers_match_methods, 2200, shape, dtype)
     check = Checks()
     for r, got in enumerate(results):
         for name, ok in got.items():

@@ -38,6 +38,10 @@ In a model::
     y = tops.all_reduce(comm, x)                                       # eager or compiled alike
     out, residual = tops.fused_add_rmsnorm(comm, x, residual, weight, eps=1e-6)
 
+Importing this module imports ``torch._dynamo`` (for ``torch.compiler.assume_constant_result``, about
+1 s), which is why ``import tpcomm`` does not import it; import it before loading a compiled artifact
+that calls the ops.
+
 Inference only: the ops have no autograd formula (run under ``torch.inference_mode()`` /
 ``torch.no_grad()``, or with parameters that do not require grad). Inputs are validated by the
 communicator when the op runs (the fake implementations only compute shapes), so a bad input raises the
