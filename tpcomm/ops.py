@@ -12,7 +12,7 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
     torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
     torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
 
-Each op runs the :class:`~tpcomm.Communicator` method of the same name; it has a fake (meta)
+Each op runs the :class:`~tpcomm.Communicator` method it is named after; it has a fake (meta)
 implementation that gives the output's shape, dtype, device and strides without running anything, so
 ``torch.compile(fullgraph=True)`` traces a model that calls them without graph breaks, and the compiled
 model runs the very same kernels as eager mode (the same bits). Only ``all_reduce_out`` mutates an
@@ -44,7 +44,8 @@ that calls the ops.
 
 Inference only: the ops have no autograd formula (run under ``torch.inference_mode()`` /
 ``torch.no_grad()``, or with parameters that do not require grad). Inputs are validated by the
-communicator when the op runs (the fake implementations only compute shapes), so a bad input raises the
+communicator when the op runs (the fake implementations compute shapes and check only what they need:
+``dim``, and the FP8 arguments through the communicator's own allocation), so a bad input raises the
 communicator's ``ValueError`` / ``TypeError`` at run time, compiled or not. Graph safety (warm-up before
 capture, one stream per communicator) is in :mod:`tpcomm.graphs`.
 """
