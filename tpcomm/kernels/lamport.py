@@ -43,10 +43,9 @@ TAG_SENTINEL = tl.constexpr(-2147450880)
 
 @triton.jit
 def _check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
-    """Wait (bounded) for every peer's call tag of this program (``tag_ptr + q``: the tag peer ``q``'s same
-    program sent)
-    and compare it with this call's signature; re-arm each tag. On another signature records
-    ``ERR_MISMATCH``. Returns the timeout left: ``timeout``, or 0 once a wait failed."""
+    """Wait (bounded) for every peer's call tag of this program (``tag_ptr + q``: the tag that peer ``q``'s
+    same program sent), compare it with this call's signature and re-arm it. On another signature
+    records ``ERR_MISMATCH``. Returns the timeout left: ``timeout``, or 0 once a wait failed."""
     for q in tl.static_range(WORLD):
         if q != rank:
             seen = tl.load(tag_ptr + q, volatile=True)
@@ -55,15 +54,15 @@ def _check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, stat
             while (seen == TAG_SENTINEL) & (waited < timeout):
                 seen = tl.load(tag_ptr + q, volatile=True)
                 waited = now_ns() - start
-            if seen == TAG_SENTINEL:
-                if timeout > 0:
-                    record_timeout(err_ptr, state_ptr, q, epoch, program)
-                timeout = 0
-            else:
+            missing = seen == TAG_SENTINEL
+            other_call = (seen != signature) & (seen != TAG_SENTINEL)
+            if missing & (timeout > 0):  # timeout 0: an earlier error is recorded already
+                record_timeout(err_ptr, state_ptr, q, epoch, program)
+            if other_call:
+                record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program)
+            if seen != TAG_SENTINEL:
                 tl.store(tag_ptr + q, TAG_SENTINEL)
-                if seen != signature:
-                    record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program)
-                    timeout = 0
+            timeout = tl.where(missing | other_call, 0, timeout)
     return timeout
 
 

@@ -1,0 +1,71 @@
+"""Compile every tpcomm kernel for sm_90 (H100/H200) on a machine without a GPU, down to a cubin with the
+Triton wheel's own ptxas: catches front-end errors (types that differ between the branches of an `if`,
+bad constexprs) that Triton's CPU interpreter does not check. Run with TRITON_INTERPRET=0:
+
+    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/compile_sm90.py
+"""
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tpcomm.kernels import gather, lamport, one_shot, two_shot  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def sig_of(fn, types):
+    return {name: types.get(name, "constexpr") for name in fn.arg_names}
+
+
+def build(fn, types, constexprs, num_warps=16):
+    src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs=constexprs)
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return len(k.asm["cubin"])
+
+
+def epi_types(dt):
+    return {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+            "res_out_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "s_row_stride": "i32",
+            "s_group_stride": "i32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i32",
+            "err_ptr": "*i32", "n_rows": "i32", "H": "i32", "numel": "i32", "row_stride": "i32",
+            "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "eps": "fp32",
+            "timeout": "i64", "rank": "i32", "signature": "i32", "j0": "i32", "n_local": "i32",
+            "half_stride": "i32", "tag_off": "i32", "width": "i32", "out_rank_stride": "i32"}
+
+
+def main():
+    results = []
+    for dt in ("bf16", "fp32"):
+        for block, tiles in ((8192, 1), (8192, 2), (1024, 1)):
+            for quant in (0, 1, 2):
+                for norm, res in ((True, True), (True, False), (False, False)):
+                    if quant and not norm:
+                        continue
+                    ce = {"WORLD": 2, "BLOCK_H": block, "NUM_TILES": tiles, "NORM": norm, "HAS_RESIDUAL": res,
+                          "GEMMA": False, "QUANT": quant, "STORE_OUT": True, "FP8": tl.float8e4nv,
+                          "NATIVE_FP8": True, "GROUP": 128 if quant == 2 else 1}
+                    t = epi_types(dt)
+                    results.append(("one_shot", dt, block, tiles, quant, norm, build(one_shot._one_shot_kernel, t, ce)))
+                    if dt == "bf16":
+                        results.append(("lamport", dt, block, tiles, quant, norm,
+                                        build(lamport._lamport_kernel, t, ce)))
+                    for scatter in (False, True):
+                        if scatter and (norm or quant):
+                            continue
+                        results.append(("two_shot", dt, block, tiles, quant, norm,
+                                        build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter))))
+        results.append(("all_gather", dt, 4096, 1, 0, False,
+                        build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
+    for r in results:
+        print(*r)
+    print(f"compiled {len(results)} kernel variants for sm_90")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
