@@ -69,9 +69,6 @@ def test_ranks_killed_after_set_up_leave_nothing(killed):
     check.done()
 
 
-@pytest.mark.xfail(strict=True, reason="workspace.py creates each rank's /dev/shm file by name and unlinks it "
-                                       "only after every rank has mapped it: a rank killed in between leaves "
-                                       "it (fix in the lead's workspace.py)")
 def test_a_rank_killed_during_set_up_leaves_nothing(killed):
     """A rank killed between creating its shared-memory file and the end of set-up: nothing left."""
     check = Checks()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import threading
@@ -87,6 +88,7 @@ class Communicator:
         self.workspace: Workspace | None = None
         self._lock = threading.Lock()
         self._last_stream = None
+        self._signatures: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.table = self._load_table()
         self.fallback_reason = self._set_up()
         self._closed = False
@@ -350,7 +352,7 @@ class Communicator:
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * width, min(n, r1 * width)
-                sig = call_signature(op, "push", str(x.dtype), n, r0, r1, width)
+                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width)
                 all_gather(src[a:b], dst[a:], n, self.workspace, r1 - r0, width, cfg, sig)
         return out
 
@@ -480,7 +482,7 @@ class Communicator:
                         residual_out[a:b] if residual_out is not None else None,
                         weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
-                sig = call_signature(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
+                sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
                                      residual is not None, gemma, quant.mode if quant else 0)
                 (lamport if use_lamport else one_shot)(*args, sig, quant=q)
 
@@ -495,10 +497,20 @@ class Communicator:
         with self._launching(op):
             for j0 in range(0, longest, per_launch):
                 n_local = min(per_launch, longest - j0)
-                sig = call_signature(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
+                sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
                                      residual is not None, gemma, quant.mode if quant else 0, scatter_only)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
                          gemma, sig, scatter_only, quant)
+
+    def _sign(self, op: str, *fields) -> int:
+        """The signature of one launch of ``op`` (:func:`~tpcomm.kernels.sync.call_signature`), remembered
+        (the last 4096) so that an error recorded by a kernel names the op that failed."""
+        sig = call_signature(op, *fields)
+        self._signatures[sig] = op
+        self._signatures.move_to_end(sig)
+        if len(self._signatures) > 4096:
+            self._signatures.popitem(last=False)
+        return sig
 
     @contextlib.contextmanager
     def _launching(self, op: str):
@@ -526,11 +538,12 @@ class Communicator:
         """
         if self.workspace is None:
             return
-        code, peer, epoch, program = self.workspace.read_error()
-        if code == MISMATCH_CODE:
-            raise PeerMismatchError(op, self.rank, peer, epoch, program, self.timeout_s)
-        if code:
-            raise PeerTimeoutError(op, self.rank, peer, epoch, program, self.timeout_s)
+        code, peer, epoch, program, signature = self.workspace.read_error()
+        if not code:
+            return
+        failed = self._signatures.get(signature, op)  # the call that failed (graph replays included)
+        error = PeerMismatchError if code == MISMATCH_CODE else PeerTimeoutError
+        raise error(failed, self.rank, peer, epoch, program, self.timeout_s)
 
     def _check_open(self, op: str) -> None:
         if self._closed:

@@ -39,9 +39,33 @@ def reduce_in_rank_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return acc.to(xs[0].dtype)
 
 
+def sum_of_squares(v: torch.Tensor) -> torch.Tensor:
+    """The kernels' sum of squares of float32 rows ``v`` ``(..., H)``, bit for bit: rows are cut into
+    ``num_tiles`` tiles of ``block_h`` lanes (:func:`tpcomm.dispatch.row_config`, zero-padded); lane ``i``
+    accumulates ``v[t * block_h + i]**2`` over the tiles in order, from +0.0; the lanes are then added by
+    pairs, ``((l0 + l1) + (l2 + l3)) + ...`` (``epilogue.tree_sum``). Returns ``(..., 1)`` float32."""
+    from .dispatch import row_config
+
+    H = v.shape[-1]
+    cfg = row_config(H, 1)
+    lanes = cfg.block_h
+    padded = torch.nn.functional.pad(v, (0, cfg.num_tiles * lanes - H))
+    tiles = padded.reshape(*v.shape[:-1], cfg.num_tiles, lanes)
+    acc = torch.zeros((*v.shape[:-1], lanes), dtype=torch.float32, device=v.device)
+    for t in range(cfg.num_tiles):
+        sq = tiles[..., t, :]
+        acc = acc + sq * sq
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    return acc
+
+
 def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                           eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Residual add + RMSNorm of an already reduced ``s`` (contract steps 2 and 3).
+    """Residual add + RMSNorm of an already reduced ``s`` (contract steps 2 and 3), with the kernels'
+    order of operations, so the bits equal theirs: the sum of squares as :func:`sum_of_squares` adds
+    them, ``inv = 1 / sqrt(sum / H + eps)`` with correctly rounded division and square root, each step
+    rounded to float32, ``out = T((v * inv) * w')``.
 
     Args:
         s: ``(T, H)`` reduced input, dtype bf16/fp16/fp32.
@@ -60,7 +84,14 @@ def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight
     w = weight.to(torch.float32)
     if gemma:
         w = 1.0 + w
-    inv = 1.0 / torch.sqrt((v * v).mean(dim=-1, keepdim=True) + eps)
+    ss = sum_of_squares(v)
+    # Each step rounded to float32 as in the kernels; division and square root are taken in float64 and
+    # rounded once, which is the correctly rounded float32 result (53 >= 2 * 24 + 2 bits), on every
+    # device: torch's float32 sqrt on an AVX-512 CPU is not correctly rounded (off by an ulp), and on CUDA
+    # a division by a Python scalar is a multiplication by its reciprocal.
+    ms = (ss.double() / float(v.shape[-1])).float()
+    rt = torch.sqrt((ms + torch.full_like(ms, eps)).double()).float()
+    inv = (1.0 / rt.double()).float()
     out = (v * inv * w).to(s.dtype)
     return out, residual_out
 

@@ -11,14 +11,15 @@ Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it. Two in
 kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
 (``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, finish
 counter, broken]`` (int32, device memory, advanced by the kernels; ``broken`` is set by a wait that
-expired) and four int32 error words, which on CUDA
+expired) and five int32 error words (code, peer, epoch, program, the call's signature), which on CUDA
 live in pinned host memory so the host reads them without a device synchronisation.
 
 Backends:
   * CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous`` over the group).
-  * CPU (Triton interpreter): a file in ``/dev/shm`` per rank, mapped by every rank; the names go round
-    over the (gloo) group and each file is unlinked as soon as every rank has mapped it, so nothing is
-    left behind after a normal exit or a crash of any rank after set-up.
+  * CPU (Triton interpreter): an anonymous shared-memory file (``memfd_create``) per rank, which peers
+    open as ``/proc/<pid>/fd/<fd>`` (the paths go round over the (gloo) group): it has no name, so
+    nothing is left behind whenever a rank dies. Without memfd, a named file in ``/dev/shm``, unlinked
+    as soon as every rank has mapped it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Workspace:
         self.timeout_s = timeout_s
         self.timeout = int(timeout_s * 1e9)  # nanoseconds, as the kernels' waits count them
         self._shm_paths: list[str] = []
+        self._memfd: int | None = None
         self._handle = None
         if device.type == "cuda":
             bases = self._alloc_cuda()
@@ -82,7 +84,7 @@ class Workspace:
         self.lamport_table = torch.tensor([b + self.flag_bytes + self.data_bytes for b in bases],
                                           dtype=torch.int64, device=device)
         self.state = torch.tensor([1, 0, 0], dtype=torch.int32, device=device)
-        self.err = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.err = torch.zeros(5, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.closed = False
 
     # -- backends -----------------------------------------------------------------------------------
@@ -97,16 +99,14 @@ class Workspace:
         return [int(p) for p in self._handle.buffer_ptrs]
 
     def _alloc_cpu(self) -> list[int]:
-        tag = uuid.uuid4().hex[:12]
-        path = f"/dev/shm/tpcomm-{os.getpid()}-{tag}-r{self.rank}"
+        fd, path = self._create_shared_file()
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, self.total_bytes)
+                self.buffer = torch.from_file(path, shared=True, size=self.total_bytes, dtype=torch.uint8)
             finally:
-                os.close(fd)
-            self._shm_paths = [path]
-            self.buffer = torch.from_file(path, shared=True, size=self.total_bytes, dtype=torch.uint8)
+                if path.startswith("/dev/shm/"):
+                    os.close(fd)
             self._arm(self.buffer)
             paths: list = [None] * self.world_size
             dist.all_gather_object(paths, path, group=self.group)
@@ -116,9 +116,30 @@ class Workspace:
                 for q, p in enumerate(paths)
             ]
             dist.barrier(group=self.group)
+        except BaseException:
+            if self._memfd is not None:
+                os.close(self._memfd)
+                self._memfd = None
+            raise
         finally:
             self._unlink()
         return [int(b.data_ptr()) for b in self.peer_buffers]
+
+    def _create_shared_file(self) -> tuple[int, str]:
+        """An anonymous shared-memory file (``memfd_create``) that peers open as ``/proc/<pid>/fd/<fd>``:
+        it has no name to leave behind, whenever a rank dies. Where memfd is missing, a named file in
+        ``/dev/shm``, unlinked once every rank has mapped it (:meth:`_unlink`)."""
+        try:
+            fd = os.memfd_create(f"tpcomm-r{self.rank}")
+            self._memfd = fd
+            path = f"/proc/{os.getpid()}/fd/{fd}"
+            self._shm_paths = [path]
+            return fd, path
+        except (AttributeError, OSError):
+            path = f"/dev/shm/tpcomm-{os.getpid()}-{uuid.uuid4().hex[:12]}-r{self.rank}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            self._shm_paths = [path]
+            return fd, path
 
     def _arm(self, buffer: torch.Tensor) -> None:
         """Zero the signal pad and fill the Lamport buffers with the sentinel (before any peer maps it)."""
@@ -129,10 +150,11 @@ class Workspace:
 
     def _unlink(self) -> None:
         for p in self._shm_paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+            if p.startswith("/dev/shm/"):  # a memfd has no name; its mappings keep it alive
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
         self._shm_paths = []
 
     # -- layout -------------------------------------------------------------------------------------
@@ -174,11 +196,11 @@ class Workspace:
         return (self.lamport_slot_bytes // element_size) // self.row_stride(hidden, element_size)
 
     # -- errors and life cycle ----------------------------------------------------------------------
-    def read_error(self) -> tuple[int, int, int, int]:
-        """``(code, peer, epoch, program)`` recorded by a kernel; code 0 means none. On CUDA the words
-        are in pinned host memory: this reads what has landed so far without synchronising."""
-        code, peer, epoch, program = (int(v) for v in self.err.tolist())
-        return code, peer, epoch, program
+    def read_error(self) -> tuple[int, int, int, int, int]:
+        """``(code, peer, epoch, program, signature)`` recorded by a kernel; code 0 means none. On CUDA the
+        words are in pinned host memory: this reads what has landed so far without synchronising."""
+        code, peer, epoch, program, signature = (int(v) for v in self.err.tolist())
+        return code, peer, epoch, program, signature
 
     def epoch(self) -> int:
         """The epoch the next launch will use (synchronises the device on CUDA)."""
@@ -190,6 +212,11 @@ class Workspace:
             return
         self.closed = True
         self._unlink()
+        if self._memfd is not None:
+            os.close(self._memfd)
+            self._memfd = None
         self.peer_buffers = []
         self.buffer = None
         self._handle = None
+        # Drop the device tensors too: a closed communicator kept by the caller should hold no memory.
+        self.flag_table = self.buf_table = self.lamport_table = self.state = None

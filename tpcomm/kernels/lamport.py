@@ -57,9 +57,9 @@ def _check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, stat
             missing = seen == TAG_SENTINEL
             other_call = (seen != signature) & (seen != TAG_SENTINEL)
             if missing & (timeout > 0):  # timeout 0: an earlier error is recorded already
-                record_timeout(err_ptr, state_ptr, q, epoch, program)
+                record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if other_call:
-                record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program)
+                record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
             if seen != TAG_SENTINEL:
                 tl.store(tag_ptr + q, TAG_SENTINEL)
             timeout = tl.where(missing | other_call, 0, timeout)
@@ -67,7 +67,7 @@ def _check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, stat
 
 
 @triton.jit
-def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, timeout, err_ptr, state_ptr,
+def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, signature, timeout, err_ptr, state_ptr,
                WORLD: tl.constexpr):
     """Spin until no element of this tile in any peer's slot holds the sentinel (bounded).
 
@@ -84,7 +84,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, time
                 pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
                 waited = now_ns() - start
             if (pending != 0) & (timeout > 0):  # timeout 0: an earlier error is recorded already
-                record_timeout(err_ptr, state_ptr, q, epoch, program)
+                record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             timeout = tl.where(pending != 0, 0, timeout)
     return timeout
 
@@ -135,7 +135,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, rank, epoch, pid,
+            timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, rank, epoch, pid, signature,
                                  timeout, err_ptr, state_ptr, WORLD)
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,

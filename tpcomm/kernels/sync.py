@@ -119,9 +119,9 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     same_call = (seen >> 32) == signature.to(tl.int64)
     if not arrived:
         if timeout > 0:  # a wait that gave up at once follows an error already recorded: keep that one
-            record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program)
+            record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program, signature)
     elif not same_call:
-        record_error(err_ptr, state_ptr, ERR_MISMATCH, peer, epoch, program)
+        record_error(err_ptr, state_ptr, ERR_MISMATCH, peer, epoch, program, signature)
     return arrived & same_call
 
 
@@ -163,19 +163,21 @@ def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, ti
 
 
 @triton.jit
-def record_error(err_ptr, state_ptr, code, peer, epoch, program):
-    """Write ``(code, peer, epoch, program)`` to the error words and mark the state broken."""
+def record_error(err_ptr, state_ptr, code, peer, epoch, program, signature):
+    """Write ``(code, peer, epoch, program, signature)`` to the error words (the signature names the call
+    that failed, graph replays included) and mark the state broken."""
     tl.store(err_ptr + 1, peer)
     tl.store(err_ptr + 2, epoch)
     tl.store(err_ptr + 3, program)
+    tl.store(err_ptr + 4, signature)
     tl.store(err_ptr, code)
     tl.store(state_ptr + 2, 1)
 
 
 @triton.jit
-def record_timeout(err_ptr, state_ptr, peer, epoch, program):
+def record_timeout(err_ptr, state_ptr, peer, epoch, program, signature):
     """:func:`record_error` with ``ERR_TIMEOUT``."""
-    record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program)
+    record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program, signature)
 
 
 @triton.jit
