@@ -89,6 +89,7 @@ class Communicator:
         self._lock = threading.Lock()
         self._last_stream = None
         self._signatures: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._plans: dict = {}  # plan() per call shape: the plan is a pure function of it
         self.table = self._load_table()
         self.fallback_reason = self._set_up()
         self._closed = False
@@ -438,6 +439,16 @@ class Communicator:
         ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
         ``_all_reduce_width``).
         """
+        key = (op, nbytes, hidden, dtype, self.algorithm)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(op, nbytes, hidden, dtype)
+            if len(self._plans) > 4096:
+                self._plans.pop(next(iter(self._plans)))
+        return plan
+
+    def _make_plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
+        """:meth:`plan` without the cache."""
         es = _elsize(dtype)
         if op in ("all_reduce", "all_gather"):
             hidden = self._all_reduce_width(max(1, nbytes // es), es)
@@ -597,4 +608,4 @@ class Communicator:
 
 
 def _elsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

@@ -13,6 +13,7 @@ one written by ``tpcomm tune`` on the current machine.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -67,6 +68,7 @@ class RowConfig:
         return max(1, min(n_rows, self.max_programs))
 
 
+@functools.lru_cache(maxsize=4096)
 def row_config(hidden: int, max_programs: int) -> RowConfig:
     """The :class:`RowConfig` for rows of ``hidden`` elements."""
     if hidden < 1:

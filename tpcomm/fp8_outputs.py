@@ -3,6 +3,7 @@ kernels' view of them, and the fallback's fill (DESIGN.md, numerics contract ite
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class Fp8Outputs:
         mode = QUANT_PER_TOKEN.value if self.mode == "fp8_per_token" else QUANT_PER_GROUP.value
         fp8 = tl.float8e4nv if self.fp8_dtype == torch.float8_e4m3fn else tl.float8e4b8
         return QuantOut(self.q_fp8.view(torch.uint8).view(-1), self.scales_view, row_stride, group_stride,
-                        mode, fp8, native_fp8(device, self.fp8_dtype), group, store_out)
+                        mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out)
 
     def fill_from(self, out: torch.Tensor) -> None:
         """Quantise an unquantised ``out`` into these tensors with the plain-torch reference (the
@@ -61,6 +62,11 @@ class Fp8Outputs:
             q, s = reference.per_group_quant_reference(rows, self.group_size, self.fp8_dtype)
         self.q_fp8.view(-1, out.shape[-1]).copy_(q)
         self.scales_view.copy_(s.reshape(self.scales_view.shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
+    return native_fp8(device, fp8_dtype)  # asks the device once (it was a tenth of a call's host time)
 
 
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,

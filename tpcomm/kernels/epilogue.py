@@ -251,6 +251,8 @@ class QuantOut:
     def shifted(self, row0: int, elem0: int) -> "QuantOut":
         """The same output seen from row ``row0`` (flat element ``elem0``) of the call: for a launch of
         a chunk of rows. The scales pointer moves on the storage, which serves both layouts."""
+        if row0 == 0 and elem0 == 0:
+            return self
         first = self.scales.as_strided((1,), (1,), self.scales.storage_offset() + row0 * self.row_stride)
         return replace(self, q=self.q[elem0:], scales=first)
 
