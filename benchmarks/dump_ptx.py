@@ -5,7 +5,6 @@
 import sys
 
 import torch
-import triton
 
 from tpcomm.kernels.one_shot import _one_shot_kernel
 

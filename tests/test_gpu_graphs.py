@@ -63,7 +63,7 @@ def results():
             s = res[name]
             shown = {k: v for k, v in s.items() if k not in ("digests", "outputs", "error", "messages")}
             print(f"[{name}] rank {r}: {shown}" + (f"\n{s['error']}" if s.get("error") else "")
-                  + (f"\n  " + "\n  ".join(s["messages"]) if s.get("messages") else ""))
+                  + ("\n  " + "\n  ".join(s["messages"]) if s.get("messages") else ""))
     return per_rank
 
 

@@ -4,7 +4,6 @@ Each launch spawns fresh processes (seconds each), so there are few of them."""
 import time
 
 import pytest
-import torch
 
 import rank_cases
 from numerics import Checks

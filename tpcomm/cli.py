@@ -11,22 +11,7 @@ import argparse
 import os
 import sys
 
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return v
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return vals
+from .argtypes import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "mismatch.")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
-    d.add_argument("--world", type=_positive_int, default=None,
+    d.add_argument("--world", type=positive_int, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     d.add_argument("--quick", action="store_true", help="a smaller sweep")
 
@@ -68,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reduce-scatters under every algorithm, each rank delayed by a different "
                                    "random time before every call; check every result exactly. Reports "
                                    "steps, calls, mismatches, hangs; exit 1 on any.")
-    s.add_argument("--steps", type=_positive_int, default=200)
-    s.add_argument("--world", type=_positive_int, default=None,
+    s.add_argument("--steps", type=positive_int, default=200)
+    s.add_argument("--world", type=positive_int, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     s.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")

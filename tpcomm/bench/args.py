@@ -4,40 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..argtypes import choice_list, int_list, positive_int
 from .config import DTYPE_NAMES, MODES, OPS
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return v
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """``"1,16,64"`` -> ``(1, 16, 64)``; every value >= 1."""
-    try:
-        vals = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return vals
-
-
-def choice_list(allowed) -> callable:
-    """An argparse type: comma-separated names, each one of ``allowed``."""
-    def parse(text: str) -> tuple[str, ...]:
-        vals = tuple(t.strip() for t in text.split(",") if t.strip())
-        bad = [v for v in vals if v not in allowed]
-        if not vals or bad:
-            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}, "
-                                             f"got {text!r}")
-        return vals
-    return parse
 
 
 def add_bench_arguments(b: argparse.ArgumentParser) -> None:
@@ -70,9 +38,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", default=None, metavar="PATH",
                    help="results file (default out/bench[-quick]-w<world>.json); the PNGs "
                         "(<stem>-<op>-<mode>.png) go beside it")
-    b.add_argument("--graph-calls", type=_positive_int, default=20,
+    b.add_argument("--graph-calls", type=positive_int, default=20,
                    help="most calls per graph (fewer for messages over 50 MiB, see set_bytes)")
-    b.add_argument("--replays", type=_positive_int, default=20, help="most timed replays per row")
+    b.add_argument("--replays", type=positive_int, default=20, help="most timed replays per row")
     b.add_argument("--eps", type=float, default=1e-6)
 
 

@@ -11,21 +11,12 @@ import argparse
 import datetime
 import time
 
+from ..argtypes import positive_int
 from .config import DTYPE_NAMES, OPS, default_out_path, estimate_seconds, make_config, measurements_path
 
 #: Exit statuses: a table was written / a check, a rank or the workspace failed / this machine cannot
 #: run it or an argument is invalid (as ``tpcomm bench``).
 OK, FAILED, UNUSABLE = 0, 1, 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return v
 
 
 def _non_negative(text: str) -> float:
@@ -47,8 +38,8 @@ def _ops(text: str) -> tuple[str, ...]:
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``tpcomm tune`` (added to its subparser by :mod:`tpcomm.cli`)."""
-    p.add_argument("--world", type=_positive_int, default=None, help="GPUs (default: all visible)")
-    p.add_argument("--hidden", type=_positive_int, default=6144,
+    p.add_argument("--world", type=positive_int, default=None, help="GPUs (default: all visible)")
+    p.add_argument("--hidden", type=positive_int, default=6144,
                    help="hidden size of the fused op's rows (default 6144); the all-reduce is flat")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16",
                    help="default bf16; fp32 has no Lamport (its threshold is kept from the defaults)")
@@ -60,8 +51,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "go beside it (<stem>-measurements.json)")
     p.add_argument("--estimate", action="store_true",
                    help="print the expected device time of the sweep and exit (no GPU needed)")
-    p.add_argument("--graph-calls", type=_positive_int, default=None, help="most calls per graph (default 20)")
-    p.add_argument("--replays", type=_positive_int, default=None,
+    p.add_argument("--graph-calls", type=positive_int, default=None, help="most calls per graph (default 20)")
+    p.add_argument("--replays", type=positive_int, default=None,
                    help="most timed replays per measurement (default 30, 20 with --quick)")
     p.add_argument("--margin-pct", type=_non_negative, default=2.0,
                    help="tie margin, relative part: an algorithm beats another only when faster by more "

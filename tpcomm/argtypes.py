@@ -1,0 +1,40 @@
+"""argparse value types shared by the ``tpcomm`` subcommands (each raises ``ArgumentTypeError`` with the
+value it got, which argparse turns into a usage error naming the option)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return v
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"1,16,64"`` -> ``(1, 16, 64)``; every value >= 1."""
+    try:
+        vals = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def choice_list(allowed) -> callable:
+    """An argparse type: comma-separated names, each one of ``allowed``."""
+    def parse(text: str) -> tuple[str, ...]:
+        vals = tuple(t.strip() for t in text.split(",") if t.strip())
+        bad = [v for v in vals if v not in allowed]
+        if not vals or bad:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}, "
+                                             f"got {text!r}")
+        return vals
+    return parse
