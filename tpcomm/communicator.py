@@ -602,8 +602,20 @@ class Communicator:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`: every op then raises ``RuntimeError``."""
+        return self._closed
+
     def __repr__(self) -> str:
-        how = "kernels" if self.uses_kernels else f"fallback ({self.fallback_reason})"
+        if self._closed:
+            how = "closed"
+        elif not self.uses_kernels:
+            how = f"fallback ({self.fallback_reason})"
+        elif self.algorithm == "fallback":
+            how = "fallback (TPCOMM_ALGO=fallback)"
+        else:
+            how = "kernels" + ("" if self.algorithm == "auto" else f", algorithm forced to {self.algorithm}")
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how})"
 
 

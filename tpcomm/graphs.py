@@ -139,7 +139,7 @@ def capture_guard(*comms):
     for i, comm in enumerate(comms):
         if not isinstance(comm, Communicator):
             raise TypeError(f"capture_guard: comms[{i}] must be a tpcomm.Communicator, got {type(comm).__name__}")
-        if getattr(comm, "_closed", False):
+        if comm.closed:
             raise ValueError(f"capture_guard: comms[{i}] ({comm!r}) is closed")
         if _capturing(comm):
             raise GraphCaptureError("capture_guard: the current stream is already capturing; enter the guard "
