@@ -307,6 +307,9 @@ def _bad_call(comm, case: str):
         "out_not_tensor": lambda: ar(x, out=x.tolist()),
         "x_scalar": lambda: fused(torch.tensor(1.0, dtype=torch.bfloat16), None, w[:1]),
         "eps_none": lambda: fused(x, r, w, eps=None),
+        "eps_float32_overflow": lambda: fused(x, r, w, eps=1e300),
+        "gemma_not_bool": lambda: fused(x, r, w, gemma="no"),
+        "quant_empty": lambda: fused(x, r, w, quant=""),
         "x_meta_device_fused": lambda: fused(x.to("meta"), r, w),
         "x_meta_device_all_reduce": lambda: ar(x.to("meta")),
     }
@@ -360,7 +363,8 @@ def constructor_error_case(ctx, case):
         kwargs = {"max_bytes_zero": {"max_bytes": 0}, "max_bytes_negative": {"max_bytes": -4096},
                   "max_bytes_differ": {"max_bytes": 4096 * (ctx.rank + 1)},  # collective: every rank
                   "timeout_zero": {"timeout_s": 0}, "timeout_negative": {"timeout_s": -1.0},
-                  "timeout_inf": {"timeout_s": float("inf")}, "algo_env": {}}[case]
+                  "timeout_inf": {"timeout_s": float("inf")}, "algo_env": {},
+                  "max_bytes_float": {"max_bytes": 4096.5}, "timeout_str": {"timeout_s": "abc"}}[case]
         return _error(lambda: tpcomm.Communicator(**kwargs))
     finally:
         if saved is None:

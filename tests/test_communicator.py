@@ -33,6 +33,9 @@ BAD_INPUTS = {
     "eps_inf": (ValueError, "eps", "fused_add_rmsnorm"),
     "eps_nan": (ValueError, "eps", "fused_add_rmsnorm"),
     "eps_none": (TypeError, "eps", "fused_add_rmsnorm"),
+    "eps_float32_overflow": (ValueError, "eps", "fused_add_rmsnorm"),
+    "gemma_not_bool": (TypeError, "gemma", "fused_add_rmsnorm"),
+    "quant_empty": (ValueError, "quant", "fused_add_rmsnorm"),
     "out_shape": (ValueError, "out", "all_reduce"),
     "out_dtype": (ValueError, "out", "all_reduce"),
     "x_not_tensor_fused": (TypeError, "x", "fused_add_rmsnorm"),
@@ -76,6 +79,8 @@ BAD_CONSTRUCTOR = {
     "timeout_negative": (ValueError, "timeout_s"),
     "timeout_inf": (ValueError, "timeout_s"),
     "algo_env": (ValueError, "TPCOMM_ALGO"),
+    "max_bytes_float": (TypeError, "max_bytes"),
+    "timeout_str": (TypeError, "timeout_s"),
 }
 
 

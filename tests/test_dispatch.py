@@ -53,3 +53,15 @@ def test_kernels_for_float_dtypes(dtype, nbytes, world):
     sentinel) never gets fp32."""
     plan = dispatch.choose("all_reduce", world, nbytes, 4096, dtype)
     assert plan.algorithm != "fallback" and not (plan.algorithm == "lamport" and dtype == torch.float32), plan
+
+
+def test_table_thresholds_must_be_integers():
+    text = '{"entries": {"all_reduce": {"2": {"lamport_max_bytes": 1.9, "two_shot_min_bytes": 8}}}}'
+    with pytest.raises(ValueError, match="integers"):
+        dispatch.CrossoverTable.from_json(text)
+
+
+def test_load_table_reads_a_bounded_amount():
+    """A path that never ends (/dev/zero) is refused after MAX_TABLE_BYTES, not read forever."""
+    with pytest.raises(ValueError, match="larger than"):
+        dispatch.load_table("/dev/zero")

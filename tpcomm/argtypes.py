@@ -17,6 +17,29 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    v = _float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    v = _float(text)
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """``"1,16,64"`` -> ``(1, 16, 64)``; every value >= 1."""
     try:

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from .argtypes import positive_int
+from .argtypes import non_negative_float, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--timeout", type=float, default=10.0,
+    s.add_argument("--timeout", type=positive_float, default=10.0,
                    help="seconds a kernel waits for a peer before the call counts as a hang (default 10)")
-    s.add_argument("--max-delay", type=float, default=None,
+    s.add_argument("--max-delay", type=non_negative_float, default=None,
                    help="largest random delay before a call: microseconds on GPU (default 20), seconds "
                         "on CPU (default 0.03)")
 
@@ -106,13 +106,16 @@ def main(argv: list[str] | None = None) -> int:
 # -- check --------------------------------------------------------------------------------------------
 
 def _shm_writable() -> tuple[bool, str]:
+    """Whether the CPU workspace can be made: a memfd (preferred), else a file in /dev/shm."""
+    if hasattr(os, "memfd_create"):
+        return True, "memfd_create available (the CPU workspace is an anonymous shared file)"
     path = "/dev/shm"
     if not os.path.isdir(path):
-        return False, "/dev/shm does not exist"
+        return False, "no memfd_create and /dev/shm does not exist"
     if not os.access(path, os.W_OK):
-        return False, "/dev/shm is not writable"
+        return False, "no memfd_create and /dev/shm is not writable"
     st = os.statvfs(path)
-    return True, f"/dev/shm writable, {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free"
+    return True, f"no memfd_create; /dev/shm writable, {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free"
 
 
 def check() -> int:
@@ -195,6 +198,14 @@ def check() -> int:
         cfg = None
         status = 1
         line("INVALID", str(e))
+    table = None
+    if cfg is not None and cfg.table:
+        try:
+            table = dispatch.load_table(cfg.table)
+            line("dispatch table", f"{cfg.table} ({table.device or 'no device named'})")
+        except (OSError, ValueError) as e:
+            status = 1
+            line("INVALID", f"TPCOMM_DISPATCH_TABLE={cfg.table!r}: {e} (a Communicator would raise)")
 
     from . import topology
 
@@ -213,7 +224,7 @@ def check() -> int:
                 nbytes = tokens * hidden * 2
                 plan = dispatch.choose(op, world, nbytes, hidden if op not in ("all_reduce", "all_gather") else
                                        min(tokens * hidden, dispatch.ALL_REDUCE_ROW), torch.bfloat16,
-                                       forced=cfg.algo, kernels_available=kernels)
+                                       forced=cfg.algo, kernels_available=kernels, table=table)
                 line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {plan.reason} "
                                                 f"(world {world}, bf16)")
     print("\n".join(out))

@@ -21,6 +21,8 @@ from .workspace import Workspace
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
 DEFAULT_MAX_BYTES_CUDA = 32 << 20
 DEFAULT_MAX_BYTES_CPU = 1 << 20
+#: The largest finite float32 (``eps`` is added in float32).
+FLOAT32_MAX = 3.4028234663852886e38
 #: Kernels index a launch's elements with int32: one launch stays under 2**31 elements.
 MAX_MAX_BYTES = 1 << 30
 #: Two-shot and all-gather index the whole tensor (two-shot's shares span it): larger ones use one-shot
@@ -78,8 +80,12 @@ class Communicator:
             self.device = torch.device("cpu")
         if max_bytes is None:
             max_bytes = DEFAULT_MAX_BYTES_CUDA if self.device.type == "cuda" else DEFAULT_MAX_BYTES_CPU
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+            raise TypeError(f"Communicator: max_bytes must be an int (bytes), got {type(max_bytes).__name__}")
         if not 0 < max_bytes <= MAX_MAX_BYTES:
             raise ValueError(f"Communicator: max_bytes must be in (0, {MAX_MAX_BYTES}], got {max_bytes}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+            raise TypeError(f"Communicator: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
         self.timeout_s = self.env.timeout_s if timeout_s is None else float(timeout_s)
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"Communicator: timeout_s must be positive and finite, got {timeout_s}")
@@ -104,9 +110,7 @@ class Communicator:
         text, error = None, None
         if self.rank == 0 and self.env.table:
             try:
-                with open(self.env.table) as f:
-                    text = f.read()
-                dispatch.CrossoverTable.from_json(text)
+                text = dispatch.load_table(self.env.table).to_json()
             except Exception as e:  # any failure must reach every rank (they wait in the broadcast)
                 error = f"TPCOMM_DISPATCH_TABLE={self.env.table!r} on rank 0: {e}"
         box = [(text, error)]
@@ -200,7 +204,7 @@ class Communicator:
         src = x.contiguous().view(-1)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
-                       gemma=False)
+                       gemma=False, call_shape=tuple(x.shape))
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out
@@ -271,15 +275,17 @@ class Communicator:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)):
             raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
         eps = float(eps)
-        if not (eps >= 0.0 and eps != float("inf")):
-            raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+        if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
+            raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
+        if not isinstance(gemma, bool):
+            raise TypeError(f"{op}: gemma must be a bool, got {type(gemma).__name__}")
         if quant is None and (emit_unquantized or column_major_scales):
             raise ValueError(f"{op}: emit_unquantized and column_major_scales need quant='fp8_per_token' "
                              "or 'fp8_per_group'")
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         residual_out = torch.empty_like(out) if residual is not None else None
         T = x.numel() // H if H else 0
-        qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales) if quant else None
+        qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales) if quant is not None else None
 
         def result():
             if qout is None:
@@ -353,7 +359,7 @@ class Communicator:
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * width, min(n, r1 * width)
-                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width)
+                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, tuple(x.shape))
                 all_gather(src[a:b], dst[a:], n, self.workspace, r1 - r0, width, cfg, sig)
         return out
 
@@ -399,7 +405,7 @@ class Communicator:
             out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
         self._run_two_shot(op, x.contiguous().view(-1), out.view(-1), None, None, None, T, H, 0.0,
-                           norm=False, gemma=False, scatter_only=True)
+                           norm=False, gemma=False, scatter_only=True, call_shape=tuple(x.shape))
         return out
 
     @contextlib.contextmanager
@@ -469,10 +475,10 @@ class Communicator:
         return plan
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                  quant=None):
+                  quant=None, call_shape=()):
         if plan.algorithm == "two_shot":
             self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                               quant=quant)
+                               quant=quant, call_shape=call_shape)
             return
         from .kernels.lamport import lamport
         from .kernels.one_shot import one_shot
@@ -494,11 +500,11 @@ class Communicator:
                         weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
                 sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
-                                     residual is not None, gemma, quant.mode if quant else 0)
+                                     residual is not None, gemma, quant.mode if quant else 0, eps, call_shape)
                 (lamport if use_lamport else one_shot)(*args, sig, quant=q)
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                      scatter_only=False, quant=None):
+                      scatter_only=False, quant=None, call_shape=()):
         from .kernels.two_shot import two_shot
 
         ws = self.workspace
@@ -509,7 +515,8 @@ class Communicator:
             for j0 in range(0, longest, per_launch):
                 n_local = min(per_launch, longest - j0)
                 sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
-                                     residual is not None, gemma, quant.mode if quant else 0, scatter_only)
+                                     residual is not None, gemma, quant.mode if quant else 0, scatter_only, eps,
+                                     call_shape)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
                          gemma, sig, scatter_only, quant)
 

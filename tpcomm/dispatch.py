@@ -137,14 +137,35 @@ class CrossoverTable:
                     raise ValueError(f"unknown op {op!r}")
                 entries[op] = {}
                 for w, c in ws.items():
-                    cross = Crossover(int(c["lamport_max_bytes"]), int(c["two_shot_min_bytes"]),
-                                      str(c.get("source", "")))
+                    lam, two = c["lamport_max_bytes"], c["two_shot_min_bytes"]
+                    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lam, two)):
+                        raise ValueError(f"bad entry {op}/{w}: thresholds must be integers (bytes), got {c}")
+                    cross = Crossover(lam, two, str(c.get("source", "")))
                     if cross.lamport_max_bytes < 0 or cross.two_shot_min_bytes < 0 or int(w) < 2:
                         raise ValueError(f"bad entry {op}/{w}: {c}")
                     entries[op][int(w)] = cross
             return CrossoverTable(entries, str(raw.get("device", "")))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"not a tpcomm crossover table: {e}") from None
+
+
+#: Largest crossover-table file read (``tpcomm tune`` writes a few KiB).
+MAX_TABLE_BYTES = 1 << 20
+
+
+def load_table(path: str) -> CrossoverTable:
+    """Read a table written by ``tpcomm tune``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is larger than ``MAX_TABLE_BYTES`` (a path like ``/dev/zero`` never ends) or not a
+            crossover table.
+    """
+    with open(path) as f:
+        text = f.read(MAX_TABLE_BYTES + 1)
+    if len(text) > MAX_TABLE_BYTES:
+        raise ValueError(f"larger than {MAX_TABLE_BYTES} bytes: not a crossover table")
+    return CrossoverTable.from_json(text)
 
 
 #: Defaults, measured on 2 H200s (NV18), bf16, CUDA graphs, by ``tpcomm tune --quick`` (hidden 6144 for

@@ -164,7 +164,8 @@ class Topology:
         link_source: where the links come from, or why they are unknown.
         cuda_visible_devices: the variable's value (None: unset).
         symm_mem: None when ``torch.distributed._symmetric_memory`` imports, else why not.
-        shm: None when ``/dev/shm`` is writable (the CPU workspace), else why not.
+        shm: None when the CPU workspace can be made (``memfd_create``, else a writable ``/dev/shm``),
+            else why not.
     """
 
     gpus: list = field(default_factory=list)
@@ -194,7 +195,7 @@ def _run(cmd: list[str]) -> str | None:
 
 def probe() -> Topology:
     """Read the visible GPUs, peer access between every pair, the links (``nvidia-smi``), and whether
-    the workspaces can be set up (symmetric memory on CUDA, ``/dev/shm`` on the CPU)."""
+    the workspaces can be set up (symmetric memory on CUDA, a memfd or ``/dev/shm`` on the CPU)."""
     import torch
 
     topo = Topology(cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -202,8 +203,8 @@ def probe() -> Topology:
         import torch.distributed._symmetric_memory  # noqa: F401
     except Exception as e:  # an old torch, or a build without it
         topo.symm_mem = f"{type(e).__name__}: {e}"
-    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-        topo.shm = "/dev/shm is missing or not writable"
+    if not hasattr(os, "memfd_create") and not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        topo.shm = "no memfd_create, and /dev/shm is missing or not writable"
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     visible = []
     for k in range(n):
@@ -272,7 +273,7 @@ def communicator_outcome(topo: Topology, device: str, world_size: int) -> str:
     avail = algorithm_availability(topo, device, world_size)
     if avail[0][1]:
         where = (f"{world_size} GPUs, symmetric-memory workspace" if device == "cuda"
-                 else f"{world_size} CPU ranks, /dev/shm workspace, Triton interpreter")
+                 else f"{world_size} CPU ranks, shared-memory workspace (memfd), Triton interpreter")
         return f"kernels ({where}); every call planned by the dispatch table below"
     return f"fallback to torch.distributed on every rank: {avail[0][2]}"
 
