@@ -63,6 +63,10 @@ def main():
                                         build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter))))
         results.append(("all_gather", dt, 4096, 1, 0, False,
                         build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
+    # every other dtype is gathered as bytes
+    results.append(("all_gather", "u8", 4096, 1, 0, False,
+                    build(gather._all_gather_kernel, dict(epi_types("u8"), x_ptr="*u8", out_ptr="*u8"),
+                          {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
     for r in results:
         print(*r)
     print(f"compiled {len(results)} kernel variants for sm_90")

@@ -814,6 +814,8 @@ GPU_SIZES = _gpu_sizes()
 # -- the expected outcome of every case (the table of docs/reliability.md) ---------------------------------------
 #: How a call that launches no kernel gets its result.
 FALLBACK = "through the torch.distributed fallback"
+GATHERED = "the all-gather kernel moves every rank's integers, summed exactly in int64"
+BYTES = "the all-gather kernel copies the bytes"
 EMPTY = "empty outputs of the right shapes, no communication"
 
 
@@ -831,8 +833,8 @@ def raises(exc: type, arg: str, op: str) -> dict:
 
 AR, FU = "all_reduce", "fused_add_rmsnorm"
 EXPECTED: dict[str, dict] = {
-    "all_reduce int32 x": result(0, FALLBACK),
-    "all_reduce int64 x": result(0, FALLBACK),
+    "all_reduce int32 x": result(1, GATHERED),
+    "all_reduce int64 x": result(1, GATHERED),
     "fused int32 x": raises(TypeError, "x", FU),
     "all_reduce float8_e4m3fn x": raises(TypeError, "x", AR),
     "all_reduce float8_e5m2 x": raises(TypeError, "x", AR),
@@ -871,13 +873,13 @@ EXPECTED: dict[str, dict] = {
     "fused exactly max_bytes, padded rows (6 x 40 bf16, max_bytes 480)": result(2),
     "fused one row wider than max_bytes (1 x 80 fp32, max_bytes 256)": result(0, FALLBACK),
     **{name: result(3) for name in CASES if name.startswith(("NaN/Inf", "sum overflows"))},
-    "all_gather int32 x": result(0, FALLBACK),
-    "all_gather float8_e4m3fn x": result(0, FALLBACK),
+    "all_gather int32 x": result(1, BYTES),
+    "all_gather float8_e4m3fn x": result(1, BYTES),
     "all_gather x[:, ::2]": result(1),
     "all_gather x[1:] of a flat buffer": result(1),
     "all_gather x.t()": result(1),
     "all_gather 3-D (B, S, H), dim=1": result(1),
-    "reduce_scatter int32 x": result(0, FALLBACK),
+    "reduce_scatter int32 x": result(1, GATHERED),
     "reduce_scatter 5 rows (T % W != 0)": result(1),
     "reduce_scatter 1 row (fewer rows than ranks)": result(1),
     "reduce_scatter x[1:] of a flat buffer": result(1),

@@ -121,7 +121,7 @@ GATHER_CASES = [
     (3, (2, 3, 5), BF16, [0, 1, 2, -1]),
     (2, (7,), FP32, [0, -1]),
 ]
-#: dtypes without a kernel: through torch.distributed, still bit for bit.
+#: dtypes without a reduction kernel: gathered as bytes by the push kernel, bit for bit.
 GATHER_FALLBACK_DTYPES = [torch.int32, torch.int64, torch.bool, torch.uint8, torch.float64,
                           torch.float8_e4m3fn]
 
@@ -160,10 +160,11 @@ def test_all_gather_kernel(pools, world, shape, dtype, dims):
 
 
 @pytest.mark.parametrize("dtype", GATHER_FALLBACK_DTYPES, ids=dtype_name)
-def test_all_gather_other_dtypes_fall_back_bit_exact(pool2, dtype):
+def test_all_gather_other_dtypes_move_as_bytes_bit_exact(pool2, dtype):
+    """dtypes without a reduction kernel still run the all-gather kernel: it copies their bytes."""
     results = pool2.run(cc.all_gather_case, 3200, (3, 7), dtype, [0, 1])
     check = Checks()
-    _check_gather(results, "fallback", check)
+    _check_gather(results, "push", check)
     check.done()
 
 
@@ -200,8 +201,8 @@ SCATTER_CASES = [
     (3, (2, 7, 24), FP16, 1, None, "auto", True),
     (2, (3, 2, 5), FP32, -1, None, "auto", False),
     (2, (6, 8), BF16, 0, None, "auto", False),
-    (2, (5, 7), torch.int32, 0, None, "auto", False),
-    (3, (4, 3), torch.int64, 0, None, "auto", False),
+    (2, (5, 7), torch.int32, 0, None, "auto", "gather"),  # integers: the all-gather kernel + an exact sum
+    (3, (4, 3), torch.int64, 0, None, "auto", "gather"),
     (2, (5, 40), BF16, 0, None, "fallback", False),
     (2, (13, 300), BF16, 0, 4096, "auto", True),
 ]
@@ -226,7 +227,9 @@ def test_reduce_scatter(pools, world, shape, dtype, dim, max_bytes, algo, kernel
         check.that(res["bounds"] == (start, length), f"rank {r}: share_bounds {res['bounds']}")
         check(_assert_same_raw, res["y"], res["ref"], f"rank {r}: share vs the exact sum's")
         check(_assert_same_raw, res["y"], res["ar_rows"], f"rank {r}: share vs all_reduce's rows")
-        if kernel:
+        if kernel == "gather":
+            check.that(res["launches"] >= 1, f"rank {r}: no launch: the integers did not go through the kernel")
+        elif kernel:
             check.that(res["launches"] == res["expected_launches"] and res["launches"] >= 1,
                        f"rank {r}: {res['launches']} launches, expected {res['expected_launches']}")
             if max_bytes:

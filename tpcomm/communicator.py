@@ -170,8 +170,10 @@ class Communicator:
         Collective: every rank calls it with the same shape and dtype.
 
         Args:
-            x: any shape, bf16 / fp16 / fp32 (kernels) or an integer dtype (``torch.distributed``), on
-                this communicator's device. Non-contiguous inputs are copied first.
+            x: any shape, bf16 / fp16 / fp32 (kernels) or an integer dtype (gathered through the
+                all-gather kernel and summed exactly in int64, wrapping like a native sum; through
+                ``torch.distributed`` when the group has no workspace), on this communicator's device.
+                Non-contiguous inputs are copied first.
             out: optional output of ``x``'s shape, dtype and device; may be ``x`` itself (in place).
         Returns:
             ``out`` (or a new tensor): ``T(+0.0 + f32(x_0) + ... + f32(x_{W-1}))``, the same bits on
@@ -197,6 +199,9 @@ class Communicator:
             return out
         n = x.numel()
         width = self._all_reduce_width(n, x.element_size())
+        if self._integer_through_kernels(x):
+            out.copy_(self._integer_sum(x).view(x.shape))
+            return out
         plan = self.plan(op, n * x.element_size(), n, x.dtype)
         if plan.algorithm == "fallback":
             out.copy_(reference.all_reduce_reference(x, self.group))
@@ -351,10 +356,13 @@ class Communicator:
         from .kernels.gather import all_gather
 
         src, dst = x.contiguous().view(-1), out.view(-1)
-        width = self._all_reduce_width(n, x.element_size())
+        if x.dtype not in dispatch.KERNEL_DTYPES:  # a copy: move the bytes (integers, FP8, bool, float64)
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+            n = src.numel()
+        width = self._all_reduce_width(n, src.element_size())
         cfg = dispatch.row_config(width, self.workspace.max_programs)
         n_rows = -(-n // width)
-        per_launch = self.workspace.rows_per_launch(width, x.element_size())
+        per_launch = self.workspace.rows_per_launch(width, src.element_size())
         with self._launching(op):
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
@@ -396,6 +404,9 @@ class Communicator:
         out = torch.empty((length, *x.shape[1:]), dtype=x.dtype, device=x.device)
         if x.numel() == 0:
             return out
+        if self._integer_through_kernels(x):
+            out.copy_(self._integer_sum(x).view(x.shape)[start:start + length])
+            return out
         H = x.numel() // T
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
         if plan.algorithm != "fallback" and (H < MIN_SCATTER_ROW or x.numel() > MAX_INDEXED_ELEMS):
@@ -407,6 +418,20 @@ class Communicator:
         self._run_two_shot(op, x.contiguous().view(-1), out.view(-1), None, None, None, T, H, 0.0,
                            norm=False, gemma=False, scatter_only=True, call_shape=tuple(x.shape))
         return out
+
+    def _integer_through_kernels(self, x: torch.Tensor) -> bool:
+        """Integer sums go through the all-gather kernel (a copy of the bytes, with the flags' bounded
+        waits and call signatures) and an exact sum here, rather than ``torch.distributed``: a peer that
+        makes another call then raises instead of leaving this rank blocked in the backend, and every
+        integer dtype works (gloo has no int16, uint16 or uint32)."""
+        return (not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+                and self.uses_kernels and self.algorithm != "fallback")
+
+    def _integer_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat sum over the ranks of integer ``x``: every rank's input through :meth:`all_gather`, summed
+        in int64 (exact; wraps modulo 2**64, then modulo the dtype's range like a native sum)."""
+        g = self.all_gather(x.reshape(-1))
+        return g.view(self.world_size, -1).to(torch.int64).sum(0).to(x.dtype)
 
     @contextlib.contextmanager
     def use_algorithm(self, algorithm: str):

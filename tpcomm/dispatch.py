@@ -220,6 +220,8 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         raise ValueError(f"choose: op must be one of {OPS}, got {op!r}")
     if not kernels_available:
         return Plan("fallback", "no workspace for this group")
+    if op == "all_gather" and world_size >= 2 and forced != "fallback":
+        return Plan("push", "the only all-gather kernel (a copy: any dtype, moved as bytes)")
     if dtype not in KERNEL_DTYPES:
         return Plan("fallback", f"no kernel for dtype {dtype}")
     if world_size < 2:
