@@ -1,11 +1,14 @@
 """The unfused torch path: the fallback of every op and the oracle of the tests.
 
-It follows the numerics contract of DESIGN.md exactly, so the fallback returns the same bits as the
-kernels (``out`` within one unit in the last place, from the order of the mean's sum):
+It follows the numerics contract of DESIGN.md exactly, in the kernels' order of operations, so the
+fallback returns the same bits as the kernels, ``out`` included:
 
     s = T(acc), acc = +0.0 + f32(x_0) + f32(x_1) + ... + f32(x_{W-1})   (rank order)
     residual_out = T(f32(s) + f32(residual))
-    out = T(f32(residual_out) * (1 / sqrt(mean(f32(residual_out)^2) + eps)) * w'),  w' = f32(w) or 1 + f32(w)
+    out = T((v * (1 / sqrt(ss / H + eps))) * w'),  v = f32(residual_out),  w' = f32(w) or 1 + f32(w)
+
+where ``ss`` is the sum of ``v^2`` in the kernels' fixed order (:func:`sum_of_squares`) and every step is
+rounded to float32.
 
 ``torch.distributed.all_reduce`` alone cannot meet the first line: NCCL's summation order and precision
 are unspecified (bf16 rings accumulate in bf16). So the collective fallback gathers every rank's input
