@@ -17,6 +17,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def world_size(text: str) -> int:
+    """A number of ranks: an integer >= 2 (one rank needs no communication)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}") from None
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (ranks), got {text}")
+    return v
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     v = _float(text)

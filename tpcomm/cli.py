@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from .argtypes import non_negative_float, positive_float, positive_int
+from .argtypes import non_negative_float, positive_float, positive_int, world_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "mismatch.")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
-    d.add_argument("--world", type=positive_int, default=None,
+    d.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     d.add_argument("--quick", action="store_true", help="a smaller sweep")
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "random time before every call; check every result exactly. Reports "
                                    "steps, calls, mismatches, hangs; exit 1 on any.")
     s.add_argument("--steps", type=positive_int, default=200)
-    s.add_argument("--world", type=positive_int, default=None,
+    s.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     s.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")

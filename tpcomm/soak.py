@@ -395,8 +395,11 @@ def main(steps: int = 200, world_size: int | None = None, device: str | None = N
     if device == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         world_size = world_size or n
-        if n < 2 or world_size > n:
-            print(f"tpcomm soak: --device cuda needs at least 2 GPUs and --world <= {n}; this machine has {n}")
+        if n < 2:
+            print(f"tpcomm soak: --device cuda needs at least 2 GPUs; this machine has {n}")
+            return 2
+        if world_size > n:
+            print(f"tpcomm soak: --world {world_size} is more than the {n} GPUs of this machine")
             return 2
     world_size = world_size or 2
     if world_size < 2:
