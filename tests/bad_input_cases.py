@@ -816,6 +816,7 @@ GPU_SIZES = _gpu_sizes()
 FALLBACK = "through the torch.distributed fallback"
 GATHERED = "the all-gather kernel moves every rank's integers, summed exactly in int64"
 BYTES = "the all-gather kernel copies the bytes"
+NARROW = "rows under 16 elements: the all-gather kernel, then the rank-order sum"
 EMPTY = "empty outputs of the right shapes, no communication"
 
 
@@ -885,7 +886,7 @@ EXPECTED: dict[str, dict] = {
     "reduce_scatter x[1:] of a flat buffer": result(1),
     "reduce_scatter x[:, ::2]": result(1),
     # moved to rows of 3 elements: narrower than MIN_SCATTER_ROW (communicator.py), so the fallback
-    "reduce_scatter dim=-1": result(0, FALLBACK),
+    "reduce_scatter dim=-1": result(1, NARROW),
     "all_gather zero rows (0, H)": result(0, EMPTY),
     "reduce_scatter zero rows (0, H)": result(0, EMPTY),
     "all_gather 0-dim x": raises(ValueError, "x", "all_gather"),

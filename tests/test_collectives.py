@@ -199,8 +199,8 @@ SCATTER_CASES = [
     (3, (5, 24), BF16, 0, None, "auto", True),
     (2, (40, 5), BF16, 1, None, "auto", True),
     (3, (2, 7, 24), FP16, 1, None, "auto", True),
-    (2, (3, 2, 5), FP32, -1, None, "auto", False),
-    (2, (6, 8), BF16, 0, None, "auto", False),
+    (2, (3, 2, 5), FP32, -1, None, "auto", "gather"),  # rows under 16 elements: all-gather kernel + sum
+    (2, (6, 8), BF16, 0, None, "auto", "gather"),
     (2, (5, 7), torch.int32, 0, None, "auto", "gather"),  # integers: the all-gather kernel + an exact sum
     (3, (4, 3), torch.int64, 0, None, "auto", "gather"),
     (2, (5, 40), BF16, 0, None, "fallback", False),

@@ -28,8 +28,8 @@ MAX_MAX_BYTES = 1 << 30
 #: Two-shot and all-gather index the whole tensor (two-shot's shares span it): larger ones use one-shot
 #: chunks (all-reduce) or the fallback (all-gather, reduce-scatter).
 MAX_INDEXED_ELEMS = (1 << 31) - 1
-#: Rows narrower than this many elements make reduce-scatter's kernel mostly idle lanes: the fallback
-#: (an all-gather and a rank-order sum) is used instead.
+#: Rows narrower than this many elements make reduce-scatter's kernel mostly idle lanes: an all-gather
+#: through the kernel and the rank-order sum on this rank are used instead.
 MIN_SCATTER_ROW = 16
 
 
@@ -409,6 +409,13 @@ class Communicator:
             return out
         H = x.numel() // T
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
+        if plan.algorithm != "fallback" and H < MIN_SCATTER_ROW and x.numel() * self.world_size <= MAX_INDEXED_ELEMS:
+            # Narrow rows: every rank's input through the all-gather kernel, then the contract's
+            # rank-order sum here (the same bits; and a peer making another call raises, as in a kernel).
+            g = self.all_gather(x.reshape(-1)).view(self.world_size, -1)
+            s = reference.reduce_in_rank_order(list(g.unbind(0))).view(x.shape)
+            out.copy_(s[start:start + length])
+            return out
         if plan.algorithm != "fallback" and (H < MIN_SCATTER_ROW or x.numel() > MAX_INDEXED_ELEMS):
             plan = dispatch.Plan("fallback", f"rows of {H} elements" if H < MIN_SCATTER_ROW
                                  else "2**31 elements or more")
