@@ -10,10 +10,12 @@ Protocol:
     call) with a ``release`` exchange at system scope, after a program-wide barrier, so the release
     covers the data stores of every thread of the program.
   * The owner polls its own flag with an ``acquire`` load at system scope (``atomic_add(p, 0)``, which
-    Triton lowers to ``ld.acquire.sys``) until it equals the epoch, then runs a program-wide barrier before
-    any thread loads the data. Flags are matched by equality, so wrap-around of the 32-bit epoch is
-    harmless; flags are doubled by epoch parity, so a peer one call ahead never overwrites a flag that is
-    still awaited.
+    Triton lowers to ``ld.acquire.sys``) until its low 32 bits equal the epoch, then runs a program-wide
+    barrier before any thread loads the data. Flags are matched by equality, so wrap-around of the 32-bit
+    epoch is harmless; flags are doubled by epoch parity (and by phase: two-shot exchanges twice), so a
+    peer one call ahead never overwrites a flag that is still awaited. A flag of the right epoch but
+    another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` and
+    does not read its data.
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
     the interpreter. On expiry the
     waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
