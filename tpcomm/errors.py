@@ -35,9 +35,8 @@ class PeerMismatchError(PeerTimeoutError):
     """A peer arrived at the same epoch with a different call: another op, size, dtype or algorithm.
 
     Raised like :class:`PeerTimeoutError` (a subclass, so code that catches that catches this too), at
-    once rather than after the timeout, on every rank that saw the other's flags. The kernels that
-    detected it did not read the peer's data; the outputs of that call are undefined. The communicator is
-    unusable afterwards; create a new one.
+    once rather than after the timeout, on every rank that saw the other's flags. The outputs of that call
+    are undefined. The communicator is unusable afterwards; create a new one.
     """
 
     def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):

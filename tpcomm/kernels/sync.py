@@ -14,8 +14,8 @@ Protocol:
     barrier before any thread loads the data. Flags are matched by equality, so wrap-around of the 32-bit
     epoch is harmless; flags are doubled by epoch parity (and by phase: two-shot exchanges twice), so a
     peer one call ahead never overwrites a flag that is still awaited. A flag of the right epoch but
-    another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` and
-    does not read its data.
+    another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` (the
+    call's outputs are then undefined, and the call raises).
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
     the interpreter. On expiry the
     waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
