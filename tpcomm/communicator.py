@@ -197,11 +197,11 @@ class Communicator:
                                  f"{tuple(x.shape)} and {x.dtype}")
         if x.numel() == 0:
             return out
-        n = x.numel()
-        width = self._all_reduce_width(n, x.element_size())
         if self._integer_through_kernels(x):
             out.copy_(self._integer_sum(x).view(x.shape))
             return out
+        n = x.numel()
+        width = self._all_reduce_width(n, x.element_size())
         plan = self.plan(op, n * x.element_size(), n, x.dtype)
         if plan.algorithm == "fallback":
             out.copy_(reference.all_reduce_reference(x, self.group))
@@ -323,8 +323,8 @@ class Communicator:
         detected: :class:`PeerMismatchError`).
 
         Args:
-            x: any shape with at least one dimension, any dtype (bf16 / fp16 / fp32 run the kernel; other
-                dtypes go through ``torch.distributed``, also bit-exact), this device.
+            x: any shape with at least one dimension, any dtype (the kernel copies it; dtypes other than
+                bf16 / fp16 / fp32 move as bytes), this device.
             dim: the dimension to concatenate along (negative counts from the end).
         Returns:
             A new tensor: ``x``'s shape with ``dim`` multiplied by the world size; the slice of rank
@@ -381,8 +381,9 @@ class Communicator:
         Collective: every rank calls it with the same shape and dtype.
 
         Args:
-            x: at least one dimension; bf16 / fp16 / fp32 (kernels) or an integer dtype
-                (``torch.distributed``), this device.
+            x: at least one dimension; bf16 / fp16 / fp32 (the two-shot kernel; rows under 16 elements
+                through the all-gather kernel and the rank-order sum here) or an integer dtype (the
+                all-gather kernel and an exact int64 sum), this device.
             dim: the dimension to scatter along (negative counts from the end).
         Returns:
             A new tensor: rank ``r``'s share of ``T(+0.0 + f32(x_0) + ... + f32(x_{W-1}))``, the same bits
@@ -532,7 +533,7 @@ class Communicator:
                         weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
                 sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
-                                     residual is not None, gemma, quant.mode if quant else 0, eps, call_shape)
+                                 residual is not None, gemma, quant.mode if quant else 0, eps, call_shape)
                 (lamport if use_lamport else one_shot)(*args, sig, quant=q)
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
@@ -547,8 +548,8 @@ class Communicator:
             for j0 in range(0, longest, per_launch):
                 n_local = min(per_launch, longest - j0)
                 sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
-                                     residual is not None, gemma, quant.mode if quant else 0, scatter_only, eps,
-                                     call_shape)
+                                 residual is not None, gemma, quant.mode if quant else 0, scatter_only, eps,
+                                 call_shape)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
                          gemma, sig, scatter_only, quant)
 
@@ -581,10 +582,12 @@ class Communicator:
 
     # -- errors, life cycle -------------------------------------------------------------------------
     def check(self, op: str = "check") -> None:
-        """Raise :class:`PeerTimeoutError` if a kernel of this communicator recorded a timeout.
+        """Raise the error a kernel of this communicator recorded: :class:`PeerTimeoutError` for a peer
+        that never arrived, :class:`PeerMismatchError` for one that made another call, naming the op of
+        the call that failed (``op`` when that call is no longer remembered).
 
-        Cheap (no device synchronisation): on CUDA it reads pinned host memory, so a timeout shows at the
-        first call (or ``check``) after the kernel that expired has run; synchronise first to be sure.
+        Cheap (no device synchronisation): on CUDA it reads pinned host memory, so an error shows at the
+        first call (or ``check``) after the kernel that recorded it has run; synchronise first to be sure.
         """
         if self.workspace is None:
             return

@@ -211,7 +211,8 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         dtype: the input dtype.
         forced: ``TPCOMM_ALGO`` (``auto``, ``lamport``, ``one_shot``, ``two_shot``, ``fallback``). A
             forced ``lamport`` on a 32-bit input runs ``one_shot`` (the only one-step kernel for it).
-            All-gather and reduce-scatter have one kernel each and honour only ``fallback``.
+            All-gather and reduce-scatter have one kernel each and honour only ``fallback``; the
+            all-gather copies any dtype, the reductions need one of ``KERNEL_DTYPES``.
         kernels_available: False when the group cannot use the workspace (set-up decided it on every
             rank together).
         table: the crossovers (default ``DEFAULT_TABLE``).
@@ -220,16 +221,14 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         raise ValueError(f"choose: op must be one of {OPS}, got {op!r}")
     if not kernels_available:
         return Plan("fallback", "no workspace for this group")
-    if op == "all_gather" and world_size >= 2 and forced != "fallback":
-        return Plan("push", "the only all-gather kernel (a copy: any dtype, moved as bytes)")
-    if dtype not in KERNEL_DTYPES:
-        return Plan("fallback", f"no kernel for dtype {dtype}")
     if world_size < 2:
         return Plan("fallback", "a group of one rank needs no communication")
     if forced == "fallback":
         return Plan("fallback", "TPCOMM_ALGO=fallback")
     if op == "all_gather":
-        return Plan("push", "the only all-gather kernel")
+        return Plan("push", "the only all-gather kernel (a copy: any dtype, moved as bytes)")
+    if dtype not in KERNEL_DTYPES:
+        return Plan("fallback", f"no reduction kernel for dtype {dtype}")
     if op == "reduce_scatter":
         return Plan("two_shot", "the only reduce-scatter kernel (two-shot's first half)")
     lamport_ok = dtype in (torch.bfloat16, torch.float16)

@@ -79,32 +79,29 @@ class _SymmBase(Contender):
         return bufs, (lambda k: bufs[k].copy_(slots.x[k]))
 
 
-class SymmOneShot(_SymmBase):
+class _SymmAllReduce(_SymmBase):
+    """``torch.ops.symm_mem.<op_name>(buf, "sum", group)`` (its result: a new tensor, or ``buf`` in place),
+    then the torch epilogue of the fused ops."""
+
+    ops = ("fused", "fused_fp8", "all_reduce")
+
+    def bind(self, case, slots, ctx) -> Bound:
+        bufs, load = self._inputs(case, slots)
+        op, g, res, w = getattr(_ops(), self.op_name), self.pool.group_name, slots.residual, slots.weight
+        return Bound(call=lambda k: epilogue(case.op, op(bufs[k], "sum", g), res, w, case.eps),
+                     outputs=lambda r: r, load=load)
+
+
+class SymmOneShot(_SymmAllReduce):
     name = "symm_one_shot"
     label = "symm_mem one-shot"
-    ops = ("fused", "fused_fp8", "all_reduce")
     op_name = "one_shot_all_reduce"
 
-    def bind(self, case, slots, ctx) -> Bound:
-        bufs, load = self._inputs(case, slots)
-        ops, g, res, w = _ops(), self.pool.group_name, slots.residual, slots.weight
-        return Bound(call=lambda k: epilogue(case.op, ops.one_shot_all_reduce(bufs[k], "sum", g), res, w,
-                                             case.eps),
-                     outputs=lambda r: r, load=load)
 
-
-class SymmTwoShot(_SymmBase):
+class SymmTwoShot(_SymmAllReduce):
     name = "symm_two_shot"
     label = "symm_mem two-shot"
-    ops = ("fused", "fused_fp8", "all_reduce")
     op_name = "two_shot_all_reduce_"
-
-    def bind(self, case, slots, ctx) -> Bound:
-        bufs, load = self._inputs(case, slots)
-        ops, g, res, w = _ops(), self.pool.group_name, slots.residual, slots.weight
-        return Bound(call=lambda k: epilogue(case.op, ops.two_shot_all_reduce_(bufs[k], "sum", g), res, w,
-                                             case.eps),
-                     outputs=lambda r: r, load=load)
 
 
 class SymmAllGather(_SymmBase):
