@@ -341,6 +341,60 @@ def test_reference_rejects_bad_groups():
 
 
 # ---------------------------------------------------------------------------------------------------
+# The fast division (``kq.divide``): the same quotient as ``div_rn`` for every 16-bit value and scale.
+
+@triton.jit
+def _division_kernel(v_ptr, n_v, amax_ptr, counts_ptr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per amax, over every ``v`` with ``|v| <= amax``: counts FP8 bytes of :func:`kq.divide`'s quotient that
+    differ from those of ``div_rn``'s, quotients of at least 2^-12 whose bits differ, and whether the
+    scale took the fast path."""
+    amax = tl.load(amax_ptr + tl.program_id(0))
+    scale = kq.fp8_scale(amax, FP8)
+    recip, fast = kq.token_division(scale, True)
+    bad_bytes = tl.zeros([BLOCK], dtype=tl.int32)
+    bad_bits = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, n_v, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + offs, mask=offs < n_v, other=0.0)
+        m = (offs < n_v) & (tl.abs(v) <= amax)  # the values a row (group) of this amax holds
+        got = kq.divide(v, scale, recip, fast)
+        want = tl.math.div_rn(v, scale)
+        bad_bytes += (m & (kq.fp8_encode_soft(got, FP8) != kq.fp8_encode_soft(want, FP8))).to(tl.int32)
+        differ = got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)
+        bad_bits += (m & differ & (tl.abs(want) >= 2.0 ** -12)).to(tl.int32)
+    tl.atomic_add(counts_ptr, tl.sum(bad_bytes, axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(bad_bits, axis=0))
+    tl.atomic_add(counts_ptr + 2, fast.to(tl.int32))
+
+
+def _sixteen_bit_values(dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit ``dtype`` (both zeros and the subnormals), as float32."""
+    v = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    return v[v.isfinite()]
+
+
+def division_mismatches(dtype, fp8_dtype, amax_stride: int = 1, device: str = _DEV) -> tuple[int, int, int]:
+    """``(differing FP8 bytes, differing quotients >= 2^-12, scales that took the fast path)`` of
+    :func:`kq.divide` against ``div_rn`` over every ``amax_stride``-th positive finite amax of
+    ``dtype`` (each gives one scale) and every finite ``v`` of ``dtype`` with ``|v| <= amax``."""
+    v = _sixteen_bit_values(dtype)
+    amax = v[v > 0].unique()[::amax_stride].contiguous()
+    counts = torch.zeros(3, dtype=torch.int32, device=device)
+    _division_kernel[(amax.numel(),)](v.to(device), v.numel(), amax.to(device), counts, FP8=_TL[fp8_dtype],
+                                      BLOCK=4096)
+    return tuple(int(c) for c in counts.cpu())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_name)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_name)
+def test_fast_division_sampled(dtype, fp8_dtype):
+    """Every 16-bit value against every 1024th scale: :func:`kq.divide` gives ``div_rn``'s bytes."""
+    bad_bytes, bad_bits, fast = division_mismatches(dtype, fp8_dtype, amax_stride=1024)
+    assert fast > 20, f"only {fast} scales took the fast path: the test would not test it"
+    assert (bad_bytes, bad_bits) == (0, 0), f"{bad_bytes} bytes and {bad_bits} quotients differ from div_rn's"
+
+
+# ---------------------------------------------------------------------------------------------------
 # GPU: the hardware conversion and the kernels on real shapes.
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")]
@@ -377,3 +431,16 @@ def test_gpu_kernels_match_reference(T, H, dtype, fp8_dtype):
     for cm in (False, True):
         assert_same_quant(tuple(t.cpu() for t in per_group_quant_fp8(x, G, fp8_dtype, cm)),
                           per_group_quant_reference(x.cpu(), G, fp8_dtype, cm), f"per-group cm={cm}")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_name)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_name)
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_fast_division_every_pair(dtype, fp8_dtype):
+    """All (value, amax) pairs of a 16-bit dtype with ``|value| <= amax`` (about 2^30): ``kq.divide`` gives ``div_rn``'s FP8 bytes and,
+    from 2^-12 up, its quotient bits (what lets the FP8 epilogues skip the per-element correctly
+    rounded division)."""
+    bad_bytes, bad_bits, fast = division_mismatches(dtype, fp8_dtype)
+    assert fast > 28000, f"only {fast} scales took the fast path"
+    assert (bad_bytes, bad_bits) == (0, 0), f"{bad_bytes} bytes and {bad_bits} quotients differ from div_rn's"

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
-from .quant import (abs_bits, amax_from_bits, expand_group_scales, fp8_scale, group_amax, quantize, row_amax,
-                    widen)
+from .quant import (abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, quantize, row_amax,
+                    token_division, widen)
 
 #: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
 QUANT_NONE = tl.constexpr(0)
@@ -128,12 +128,14 @@ def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA: tl.constexpr, STORE
 
 @triton.jit
 def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, H,
-                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr):
+                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, SRC16: tl.constexpr):
     """Per-group FP8 of one tile of ``out`` (float32 ``o``): the tile holds whole groups (``GROUP``
-    divides ``BLOCK_H``), so bytes and scales are stored at once (DESIGN.md item 4, per group)."""
+    divides ``BLOCK_H``), so bytes and scales are stored at once (DESIGN.md item 4, per group).
+    ``SRC16``: ``out`` is 16-bit (``quant.divide`` may take its fast path)."""
     NG: tl.constexpr = o.shape[0] // GROUP
     sc = fp8_scale(group_amax(o, mask, GROUP), FP8)
-    tl.store(q_row_ptr + cols, quantize(o, expand_group_scales(sc, GROUP), FP8, NATIVE_FP8), mask=mask)
+    lane_scales, recip, fast = group_division(sc, SRC16, GROUP)
+    tl.store(q_row_ptr + cols, quantize(o, lane_scales, recip, fast, FP8, NATIVE_FP8), mask=mask)
     g = tile * NG + tl.arange(0, NG)
     tl.store(s_row_ptr + g * s_group_stride, sc, mask=g * GROUP < H)
 
@@ -159,6 +161,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     (and quantises per group); per-token FP8 needs the row's amax before any byte, so a third pass
     re-reads ``out`` (``STORE_OUT`` must then be set) and quantises.
     """
+    SRC16: tl.constexpr = out_row_ptr.dtype.element_ty.primitive_bitwidth == 16
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
         mask = (offs < H) & (row_start + offs < numel)
@@ -170,11 +173,12 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, GEMMA, STORE_OUT)
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(row_amax(o, mask), FP8)
-                tl.store(q_row_ptr + offs, quantize(o, scale, FP8, NATIVE_FP8), mask=mask)
+                recip, fast = token_division(scale, SRC16)
+                tl.store(q_row_ptr + offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask=mask)
                 tl.store(s_row_ptr, scale)
             elif QUANT == QUANT_PER_GROUP:
                 quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, offs, mask, 0, H, FP8, NATIVE_FP8,
-                                 GROUP)
+                                 GROUP, SRC16)
         else:
             tl.store(out_row_ptr + offs, s, mask=mask)
     else:
@@ -210,15 +214,16 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     amax_bits = tl.maximum(amax_bits, abs_bits(o, mask))
                 elif QUANT == QUANT_PER_GROUP:
                     quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
-                                     NATIVE_FP8, GROUP)
+                                     NATIVE_FP8, GROUP, SRC16)
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(amax_from_bits(amax_bits), FP8)
+                recip, fast = token_division(scale, SRC16)
                 tl.debug_barrier()
                 for t in tl.static_range(NUM_TILES):
                     cols = t * BLOCK_H + offs
                     mask = cols < H
                     o = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
-                    tl.store(q_row_ptr + cols, quantize(o, scale, FP8, NATIVE_FP8), mask=mask)
+                    tl.store(q_row_ptr + cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask=mask)
                 tl.store(s_row_ptr, scale)
 
 
