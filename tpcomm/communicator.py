@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import socket
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,10 @@ from .workspace import Workspace
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
 DEFAULT_MAX_BYTES_CUDA = 32 << 20
+#: Every live Communicator by its ``handle`` (weak), for ``tpcomm.ops``: handles start at 1 and are never
+#: reused, so a compiled graph that outlives its communicator raises instead of using another one.
+_BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
 DEFAULT_MAX_BYTES_CPU = 1 << 20
 #: The largest finite float32 (``eps`` is added in float32).
 FLOAT32_MAX = 3.4028234663852886e38
@@ -70,6 +76,8 @@ class Communicator:
             raise RuntimeError("Communicator: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first (or use tpcomm.launch)")
         self.group = group if group is not None else dist.group.WORLD
+        self.handle = next(_NEXT_HANDLE)  # this process's name for it in the torch.library ops (tpcomm.ops)
+        _BY_HANDLE[self.handle] = self
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.env = read_env()

@@ -19,14 +19,13 @@ model runs the very same kernels as eager mode (the same bits). Only ``all_reduc
 argument (``out``, declared in ``mutates_args``); every other output is a new tensor that aliases no
 input.
 
-Why a handle: an op's arguments are tensors and plain values, not a Python object, so communicators
-live in a registry of this module. :func:`register` gives each communicator an ``int`` handle, once
-(calling it again returns the same one); the registry holds communicators weakly, and handles are never
-reused, so a compiled graph that outlives its communicator raises instead of talking to another one.
-The wrappers here (:func:`all_reduce`, :func:`fused_add_rmsnorm`, :func:`all_gather`,
-:func:`reduce_scatter`) take the communicator itself (or a handle) and look
-its handle up in a way ``torch.compile`` folds into a constant (registering it on first use, also while
-tracing), guarded on the communicator object: a model holding another communicator recompiles.
+Why a handle: an op's arguments are tensors and plain values, not a Python object, so every
+communicator gets an ``int`` handle at construction (``comm.handle``, :func:`register`) in a registry
+that holds communicators weakly; handles are never reused, so a compiled graph that outlives its
+communicator raises instead of talking to another one. The wrappers here (:func:`all_reduce`,
+:func:`fused_add_rmsnorm`, :func:`all_gather`, :func:`reduce_scatter`) take the communicator itself (or
+a handle) and read its handle as an attribute, which ``torch.compile`` folds into a constant and guards
+on: a model holding another communicator recompiles.
 
 ``all_gather`` and ``reduce_scatter`` also take the group's rank and size (the wrappers pass them):
 their output shapes depend on them, and a fake implementation must depend on its arguments alone
@@ -52,30 +51,18 @@ capture, one stream per communicator) is in :mod:`tpcomm.graphs`.
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from typing import Optional
 
 import torch
 
 from . import graphs
 
-_LOCK = threading.Lock()
-_NEXT_HANDLE = itertools.count(1)
-#: handle -> communicator (weak: the registry never keeps a communicator alive)
-_COMMS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-#: communicator -> handle
-_HANDLES: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
-
-
 # -- registry -------------------------------------------------------------------------------------------
 def register(comm) -> int:
-    """Register ``comm`` for the ops and return its handle (the same handle on every later call).
+    """``comm``'s handle for the ops (every Communicator gets one at construction: ``comm.handle``).
 
-    Not collective; handles are local to the process (two ranks may hold different handles for their
-    communicators of one group). The registry holds ``comm`` weakly; handles start at 1 and are never
-    reused.
+    Handles are local to the process (two ranks may hold different handles for their communicators of
+    one group); they start at 1 and are never reused, and the registry holds communicators weakly.
 
     Args:
         comm: a :class:`tpcomm.Communicator`.
@@ -88,13 +75,7 @@ def register(comm) -> int:
 
     if not isinstance(comm, Communicator):
         raise TypeError(f"register: comm must be a tpcomm.Communicator, got {type(comm).__name__}")
-    with _LOCK:
-        handle = _HANDLES.get(comm)
-        if handle is None:
-            handle = next(_NEXT_HANDLE)
-            _HANDLES[comm] = handle
-            _COMMS[handle] = comm
-        return handle
+    return comm.handle
 
 
 def lookup(handle: int):
@@ -102,40 +83,48 @@ def lookup(handle: int):
 
     Raises:
         TypeError: ``handle`` is not an int.
-        LookupError: no live communicator has this handle (never registered, or garbage-collected).
+        LookupError: no live communicator has this handle (garbage-collected, or never created here).
     """
+    from .communicator import _BY_HANDLE
+
     if isinstance(handle, bool) or not isinstance(handle, int):
         raise TypeError(f"tpcomm ops: handle must be an int from tpcomm.ops.register, got {type(handle).__name__}")
-    comm = _COMMS.get(handle)
+    comm = _BY_HANDLE.get(handle)
     if comm is None:
-        raise LookupError(f"tpcomm ops: no communicator is registered under handle {handle} (never registered "
-                          "with tpcomm.ops.register, or garbage-collected since)")
+        raise LookupError(f"tpcomm ops: no communicator is registered under handle {handle} (garbage-collected "
+                          "since, or never created in this process)")
     return comm
 
 
-@torch.compiler.assume_constant_result
-def _handle_of(comm) -> int:
-    # assume_constant_result: under torch.compile this runs once while tracing (so registering on first
-    # use is no side effect in the graph) and its value becomes a constant, guarded on ``comm``'s
-    # identity. A plain lookup of the weak dictionary inside the traced code was not guarded: a
-    # second model of the same class with another communicator reused the first one's handle
-    # (checked with torch 2.13, tests/test_compile.py::test_compiled_code_follows_the_communicator).
-    return register(comm)
+def _is_handle(comm) -> bool:
+    return isinstance(comm, int) and not isinstance(comm, bool)
 
 
 @torch.compiler.assume_constant_result
-def _group_of(comm) -> tuple[int, int, int]:
-    """``(handle, rank, world_size)`` of a communicator or handle (a constant under torch.compile)."""
-    handle = comm if isinstance(comm, int) and not isinstance(comm, bool) else register(comm)
+def _group_of_handle(handle: int) -> tuple[int, int, int]:
     c = lookup(handle)
     return handle, c.rank, c.world_size
 
 
+def _group_of(comm) -> tuple[int, int, int]:
+    """``(handle, rank, world_size)`` of a communicator or handle.
+
+    Under torch.compile these become constants: a communicator's are plain int attributes, which Dynamo
+    reads while tracing and guards on (a model holding another communicator, with another handle,
+    recompiles: ``tests/test_compile.py::test_compiled_code_follows_the_communicator``). An earlier
+    ``assume_constant_result`` function of the communicator itself failed to trace with torch 2.11
+    ("UserDefinedObjectVariable(Communicator) is not a constant", 2 H200s)."""
+    if _is_handle(comm):
+        return _group_of_handle(comm)
+    register(comm)  # the type check
+    return comm.handle, comm.rank, comm.world_size
+
+
 def handle_of(comm) -> int:
-    """``comm``'s handle: ``comm`` itself if it is an int handle, else :func:`register` ``(comm)``."""
-    if isinstance(comm, int) and not isinstance(comm, bool):
+    """``comm``'s handle: ``comm`` itself if it is an int handle, else ``comm.handle`` (:func:`register`)."""
+    if _is_handle(comm):
         return comm
-    return _handle_of(comm)
+    return register(comm)
 
 
 # -- ops ------------------------------------------------------------------------------------------------
