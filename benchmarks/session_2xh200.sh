@@ -10,7 +10,7 @@ timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not fast_divisio
     tests/test_gpu_collectives.py tests/test_gpu_fused_fp8.py tests/test_gpu_bad_inputs.py tests/test_gpu_hygiene.py \
     tests/test_gpu_graphs.py tests/test_quant.py --durations=15 > $W/gpu_tests.log 2>&1
 echo "gpu tests rc=$?" | tee -a $W/summary.txt; grep -E "passed|failed|FAILED|ERROR" $W/gpu_tests.log | tail -15 >> $W/summary.txt
-timeout 110 python3 -m tpcomm soak --steps 10000 --device cuda --seed 0 > $W/soak10000.log 2>&1
+timeout 240 python3 -m tpcomm soak --steps 10000 --device cuda --seed 0 > $W/soak10000.log 2>&1
 echo "soak rc=$?" | tee -a $W/summary.txt; tail -6 $W/soak10000.log >> $W/summary.txt
 site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
 mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import socket
@@ -102,7 +101,8 @@ class Communicator:
         self.workspace: Workspace | None = None
         self._lock = threading.Lock()
         self._last_stream = None
-        self._signatures: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._signatures: dict[int, str] = {}  # signature -> op, for error messages
+        self._sig_by_key: dict[tuple, int] = {}  # (op, fields) -> signature
         self._plans: dict = {}  # plan() per call shape: the plan is a pure function of it
         self.table = self._load_table()
         self.fallback_reason = self._set_up()
@@ -318,10 +318,10 @@ class Communicator:
             return result()
         cfg = dispatch.row_config(H, self.workspace.max_programs)
         launch_quant = qout.launch_args(self.device, emit_unquantized or cfg.num_tiles > 1) if qout else None
-        self._run_rows(op, plan, x.contiguous().view(-1), out.view(-1),
-                       residual.contiguous().view(-1) if residual is not None else None,
-                       residual_out.view(-1) if residual_out is not None else None,
-                       weight.contiguous(), T, H, eps, norm=True, gemma=gemma, quant=launch_quant)
+        # contiguous, any number of dimensions: the kernels take flat pointers (_run_rows flattens a
+        # tensor only to cut it into launches)
+        self._run_rows(op, plan, x.contiguous(), out, residual.contiguous() if residual is not None else None,
+                       residual_out, weight.contiguous(), T, H, eps, norm=True, gemma=gemma, quant=launch_quant)
         return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -535,10 +535,13 @@ class Communicator:
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * H, min(numel, r1 * H)
-                args = (x[a:b], out[a:b],
-                        residual[a:b] if residual is not None else None,
-                        residual_out[a:b] if residual_out is not None else None,
-                        weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
+                if a == 0 and b == numel:  # one launch (the usual case): no views to make
+                    args = (x, out, residual, residual_out, weight, ws, n_rows, H, eps, cfg, norm, gemma)
+                else:
+                    args = (x.view(-1)[a:b], out.view(-1)[a:b],
+                            residual.view(-1)[a:b] if residual is not None else None,
+                            residual_out.view(-1)[a:b] if residual_out is not None else None,
+                            weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
                 sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
                                  residual is not None, gemma, quant.mode if quant else 0, eps, call_shape)
@@ -562,13 +565,17 @@ class Communicator:
                          gemma, sig, scatter_only, quant)
 
     def _sign(self, op: str, *fields) -> int:
-        """The signature of one launch of ``op`` (:func:`~tpcomm.kernels.sync.call_signature`), remembered
-        (the last 4096) so that an error recorded by a kernel names the op that failed."""
-        sig = call_signature(op, *fields)
-        self._signatures[sig] = op
-        self._signatures.move_to_end(sig)
-        if len(self._signatures) > 4096:
-            self._signatures.popitem(last=False)
+        """The signature of one launch of ``op`` (:func:`~tpcomm.kernels.sync.call_signature`), cached per
+        call shape and remembered (4096 at most) so that an error recorded by a kernel names the op that
+        failed."""
+        key = (op,) + fields
+        sig = self._sig_by_key.get(key)
+        if sig is None:  # a new call shape: compute it once (a CRC of the fields' repr is a few µs)
+            sig = self._sig_by_key[key] = call_signature(op, *fields)
+            self._signatures[sig] = op
+            for d in (self._sig_by_key, self._signatures):
+                if len(d) > 4096:  # the oldest goes; a shape still in use comes back at its next call
+                    d.pop(next(iter(d)))
         return sig
 
     @contextlib.contextmanager
@@ -597,11 +604,9 @@ class Communicator:
         Cheap (no device synchronisation): on CUDA it reads pinned host memory, so an error shows at the
         first call (or ``check``) after the kernel that recorded it has run; synchronise first to be sure.
         """
-        if self.workspace is None:
+        if self.workspace is None or not self.workspace.error_code():
             return
         code, peer, epoch, program, signature = self.workspace.read_error()
-        if not code:
-            return
         failed = self._signatures.get(signature, op)  # the call that failed (graph replays included)
         error = PeerMismatchError if code == MISMATCH_CODE else PeerTimeoutError
         raise error(failed, self.rank, peer, epoch, program, self.timeout_s)
