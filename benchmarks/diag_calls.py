@@ -1,27 +1,51 @@
-import os, sys, time, faulthandler
+"""Call-by-call smoke run on 2 GPUs: every op under every algorithm once, each followed by a device
+synchronisation and a timestamped line per rank, so a hang or a timeout shows which call it was (and
+``faulthandler`` dumps every rank's stack after 45 s). The first device call after a kernel change;
+it found the Lamport call-tag race (``docs/data/run-2xH200-session3/diag_calls_before_tag_fix.log``).
+
+    PYTHONPATH=. python benchmarks/diag_calls.py
+"""
+import faulthandler
+import os
+import sys
+import time
+
 import torch
+
+H = 4096
+
 
 def body(rank, world):
     import tpcomm
+
     faulthandler.dump_traceback_later(45, exit=True)
-    def log(*a):
-        print(f"[r{rank} {time.strftime('%H:%M:%S')}]", *a, flush=True)
-    t=time.time(); comm = tpcomm.Communicator(); log("comm", comm.uses_kernels, time.time()-t)
-    H=4096
+
+    def timed(what, fn):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        print(f"[r{rank} {time.strftime('%H:%M:%S')}] {what}: {time.perf_counter() - t:.2f} s", flush=True)
+
+    comm = tpcomm.Communicator()
+    print(f"[r{rank}] uses_kernels={comm.uses_kernels}", flush=True)
+    w = torch.randn(H, device="cuda").bfloat16()
     for algo in ("one_shot", "lamport", "two_shot"):
         for T in (1, 3, 64):
-            x = torch.randn(T, H, device="cuda").bfloat16(); r = torch.randn_like(x); w = torch.randn(H, device="cuda").bfloat16()
+            x = torch.randn(T, H, device="cuda").bfloat16()
+            r = torch.randn_like(x)
             with comm.use_algorithm(algo):
-                t=time.time(); y = comm.all_reduce(x); torch.cuda.synchronize(); log(algo, T, "all_reduce", round(time.time()-t,2))
-                t=time.time(); o = comm.fused_add_rmsnorm(x, r, w); torch.cuda.synchronize(); log(algo, T, "fused", round(time.time()-t,2))
-                t=time.time(); o = comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_token"); torch.cuda.synchronize(); log(algo, T, "fp8", round(time.time()-t,2))
-    t=time.time(); g = comm.all_gather(x); torch.cuda.synchronize(); log("all_gather", round(time.time()-t,2))
-    t=time.time(); g = comm.reduce_scatter(x); torch.cuda.synchronize(); log("reduce_scatter", round(time.time()-t,2))
-    t=time.time(); g = comm.all_gather(x.to(torch.int32)); torch.cuda.synchronize(); log("all_gather int", round(time.time()-t,2))
-    comm.close(); log("closed")
+                timed(f"{algo} T={T} all_reduce", lambda: comm.all_reduce(x))
+                timed(f"{algo} T={T} fused", lambda: comm.fused_add_rmsnorm(x, r, w))
+                timed(f"{algo} T={T} fused fp8", lambda: comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_token"))
+    timed("all_gather", lambda: comm.all_gather(x))
+    timed("reduce_scatter", lambda: comm.reduce_scatter(x))
+    timed("all_gather int32", lambda: comm.all_gather(x.to(torch.int32)))
+    comm.close()
     return 0
 
+
 if __name__ == "__main__":
-    sys.path.insert(0, ".")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tpcomm.launch import launch
+
     print(launch(body, 2, "cuda", timeout_s=50))
