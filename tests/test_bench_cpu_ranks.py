@@ -34,3 +34,14 @@ def test_a_wrong_contender_is_reported_and_not_timed(pool2):
     assert "check failed" in row["results"]["nccl"]["error"] and "median_us" not in row["results"]["nccl"]
     assert row["results"]["tpcomm"]["median_us"] > 0
     assert not tpcomm_failed(doc) and len(failures(doc)) == 1
+
+
+def test_fused_fp8_against_the_unfused_tpcomm(pool2):
+    """Issue 4's baseline row: tpcomm's bf16 fused call + the standalone quant kernel, checked bit for
+    bit like tpcomm's fused FP8 call and timed beside it."""
+    cfg = BenchConfig(ops=("fused_fp8",), **{**CFG, "contenders": ("tpcomm_unfused",)})
+    doc = summarize(pool2.run(cases.sweep, cfg, timeout_s=240), cfg)
+    eager = next(r for r in doc["rows"] if r["op"] == "fused_fp8" and r["mode"] == "eager")
+    assert eager["results"]["tpcomm_unfused"].get("median_us", 0) > 0, eager["results"]
+    assert eager["results"]["tpcomm"].get("median_us", 0) > 0
+    assert not failures(doc) and not tpcomm_failed(doc)

@@ -3,6 +3,7 @@
 | name | library | ops |
 |---|---|---|
 | tpcomm | tpcomm | fused, fused_fp8, all_reduce, all_gather, reduce_scatter |
+| tpcomm_unfused | tpcomm: fused bf16 call + standalone quant kernel | fused_fp8 |
 | nccl | NCCL (+ torch epilogue) | fused, fused_fp8, all_reduce, all_gather, reduce_scatter |
 | symm_one_shot, symm_two_shot | torch symm_mem (+ torch epilogue) | fused, fused_fp8, all_reduce |
 | symm_all_gather, symm_reduce_scatter | torch symm_mem | all_gather / reduce_scatter |
@@ -20,9 +21,9 @@ from .flashinfer_impl import TrtllmOneShot, TrtllmTwoShot, VllmCustomAllReduce
 from .nccl import Nccl
 from .symm import SymmAllGather, SymmOneShot, SymmReduceScatter, SymmTwoShot
 from .torch_epilogue import TorchAddRMSNorm
-from .tpcomm_impl import Tpcomm
+from .tpcomm_impl import Tpcomm, TpcommUnfused
 
-ALL = (Tpcomm, Nccl, SymmOneShot, SymmTwoShot, SymmAllGather, SymmReduceScatter, TrtllmOneShot,
+ALL = (Tpcomm, TpcommUnfused, Nccl, SymmOneShot, SymmTwoShot, SymmAllGather, SymmReduceScatter, TrtllmOneShot,
        TrtllmTwoShot, VllmCustomAllReduce, TorchAddRMSNorm, CopyEngine, CopySM)
 NAMES = tuple(c.name for c in ALL)
 LABELS = {c.name: c.label for c in ALL}

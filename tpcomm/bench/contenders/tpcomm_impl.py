@@ -6,6 +6,10 @@
     all_gather       comm.all_gather(x, dim=0)        x (T/W, H) -> (T, H)
     reduce_scatter   comm.reduce_scatter(x, dim=0)    x (T, H) -> this rank's (T/W, H) share
 
+``tpcomm_unfused`` (fused_fp8 only) is issue 4's baseline: the bf16 fused call, then the standalone
+per-token quant kernel on its ``out`` (``tpcomm.per_token_quant_fp8``): the same bytes as the fused FP8
+call, in two launches.
+
 An op this tpcomm does not have yet (an older checkout) is reported as not applicable, not as a failure.
 """
 
@@ -74,3 +78,27 @@ def algorithm(comm, case) -> str:
         return comm.plan(op, nbytes, case.H, case.dtype).algorithm
     except Exception:  # an op the dispatch of this checkout does not know
         return ""
+
+
+class TpcommUnfused(Contender):
+    """``fused_fp8`` as the bf16 fused call followed by the standalone quant (what fusing the quant
+    saves)."""
+
+    name = "tpcomm_unfused"
+    label = "tpcomm fused + quant kernel"
+    library = "tpcomm"
+    ops = ("fused_fp8",)
+    exact = True
+
+    def bind(self, case, slots, ctx) -> Bound:
+        comm, x, res, w, eps = ctx.comm, slots.x, slots.residual, slots.weight, case.eps
+        if not has_fp8_quant(comm):
+            raise NotApplicable("this tpcomm's fused_add_rmsnorm has no quant= (issue 4)")
+        from ...quant import per_token_quant_fp8
+
+        def call(k):
+            out, residual_out = comm.fused_add_rmsnorm(x[k], res, w, eps)
+            q, scales = per_token_quant_fp8(out.view(-1, out.shape[-1]))
+            return q.view(out.shape), scales, residual_out
+
+        return Bound(call=call, outputs=fp8_outputs, note=algorithm(comm, case))
