@@ -66,6 +66,9 @@ class Communicator:
     Safe in CUDA graphs: the workspace is armed here, epochs live in device memory and advance inside
     the kernels, and no call depends on a host value that changes.
 
+    ``handle`` (an ``int >= 1``, unique in this process, never reused) names it in the ``torch.library``
+    ops of :mod:`tpcomm.ops`, which find it through a weak registry.
+
     Raises:
         ValueError: ``max_bytes`` or ``timeout_s`` is out of range, or ``max_bytes`` differs between ranks.
     """
