@@ -50,6 +50,13 @@ GATHER_FAULTS = {
     "all_gather, peer fewer rows": ([("all_gather", (2, 16), BF16)], [("all_gather", (1, 16), BF16)]),
     "reduce_scatter, peer more rows": ([("reduce_scatter", (2, 16), BF16)], [("reduce_scatter", (4, 16), BF16)]),
     "reduce_scatter against all_gather": ([("reduce_scatter", (2, 16), BF16)], [("all_gather", (2, 16), BF16)]),
+    # the same square tensor along another dim: the same bytes move, with another meaning
+    "all_gather, peer another dim": ([("all_gather", (16, 16), BF16)], [("all_gather:1", (16, 16), BF16)]),
+    "reduce_scatter, peer another dim": ([("reduce_scatter", (16, 16), BF16)],
+                                         [("reduce_scatter:1", (16, 16), BF16)]),
+    # an integer all-reduce moves through the all-gather kernel: a peer's all-gather of the same bytes
+    "int all_reduce against all_gather": ([("all_reduce", (2, 16), torch.int32)],
+                                          [("all_gather", (2, 16), torch.int32)]),
 }
 FAULTS.update(GATHER_FAULTS)
 
@@ -61,12 +68,14 @@ def expected_errors(fault: str) -> dict[int, tuple[str, int, int]]:
     """``{rank: (op, call index, peer)}`` for every rank that makes a call it cannot complete: each must
     raise PeerTimeoutError for its first call, naming that call's op, epoch and the other rank."""
     calls = FAULTS[fault]
-    return {r: (OP_NAMES[calls[r][0][0]], 0, 1 - r) for r in (0, 1) if calls[r]}
+    return {r: (OP_NAMES[calls[r][0][0].split(":")[0]], 0, 1 - r) for r in (0, 1) if calls[r]}
 
 
 def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
     """Make one call with seeded small-integer inputs; returns how its result differs from the right one
-    (empty when right)."""
+    (empty when right). ``op`` may name a ``dim`` too: ``"all_gather:1"``."""
+    op, _, dim = op.partition(":")
+    dim = int(dim or 0)
     xs = all_inputs(seed, world_size, shape, dtype, "int")
     fails: list = []
     if op == "all_reduce":
@@ -74,13 +83,14 @@ def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
         comm.check()
         check_all_reduce(fails, y, xs)
     elif op == "all_gather":
-        y = comm.all_gather(xs[rank])
+        y = comm.all_gather(xs[rank], dim)
         comm.check()
-        _catch(fails, assert_same_bits, y, torch.cat(xs, 0), "all_gather")
+        if not torch.equal(y, torch.cat(xs, dim)):
+            fails.append(f"all_gather: {y.reshape(-1)[:8].tolist()} != {torch.cat(xs, dim).reshape(-1)[:8].tolist()}")
     elif op == "reduce_scatter":
-        y = comm.reduce_scatter(xs[rank])
+        y = comm.reduce_scatter(xs[rank], dim)
         comm.check()
-        share = torch.tensor_split(tpcomm.reduce_in_rank_order(xs), world_size, 0)[rank]
+        share = torch.tensor_split(tpcomm.reduce_in_rank_order(xs), world_size, dim)[rank]
         _catch(fails, assert_same_bits, y, share, "reduce_scatter")
     else:
         res = residual_input(seed, shape, dtype, "int")
@@ -112,7 +122,7 @@ def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
             except Exception as e:  # a wrong exception type is a finding, not a harness failure
                 seen = {"type": type(e).__name__, "message": str(e), "call": i}
                 break
-            what = f"call {i} ({OP_NAMES[op]} {tuple(shape)} {str(dtype)[6:]}) returned without an error"
+            what = f"call {i} ({op} {tuple(shape)} {str(dtype)[6:]}) returned without an error"
             returned.append(f"{what}, and wrong: " + "; ".join(f[:200] for f in fails) if fails
                             else f"{what} (its values happen to be right)")
         elapsed = time.perf_counter() - t0

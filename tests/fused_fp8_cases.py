@@ -251,6 +251,8 @@ def _bad_fp8_call(comm, name: str):
                                      group_size=32, column_major_scales=True),
         "emit_without_quant": lambda: f(x, r, w, emit_unquantized=True),
         "column_major_without_quant": lambda: f(x, r, w, column_major_scales=True),
+        "group_size_without_quant": lambda: f(x, r, w, group_size=3),
+        "fp8_dtype_without_quant": lambda: f(x, r, w, fp8_dtype=torch.bfloat16),
     }
     return calls[name]
 

@@ -31,3 +31,11 @@ def test_bad_option_is_a_usage_error(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from tpcomm import __version__
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tpcomm {__version__}"

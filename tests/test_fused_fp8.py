@@ -184,6 +184,8 @@ BAD = {
     "column_major_3d": ("column_major_scales", ["(2, 2, 96)"]),
     "emit_without_quant": ("emit_unquantized", ["quant"]),
     "column_major_without_quant": ("column_major_scales", ["quant"]),
+    "group_size_without_quant": ("group_size", ["quant", "ignored"]),
+    "fp8_dtype_without_quant": ("fp8_dtype", ["quant", "ignored"]),
 }
 
 

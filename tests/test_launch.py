@@ -75,3 +75,12 @@ def test_launch_bad_arguments(kwargs, word):
     args = {"world_size": 2, "device": "cpu", **kwargs}
     with pytest.raises(ValueError, match=word):
         launch(rank_cases.launch_sleep, args["world_size"], args["device"], args=(0,))
+
+
+@pytest.mark.parametrize("world_size,args,word", [(2.0, (0,), "world_size"), (True, (0,), "world_size"),
+                                                  (2, "aot_eager", "args")],
+                         ids=["world_size_float", "world_size_bool", "args_string"])
+def test_launch_bad_argument_types(world_size, args, word):
+    """A string given as ``args`` would be split into characters: a TypeError names ``args`` first."""
+    with pytest.raises(TypeError, match=word):
+        launch(rank_cases.launch_sleep, world_size, "cpu", args=args)

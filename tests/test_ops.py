@@ -73,7 +73,7 @@ def test_ops_run_on_meta_tensors_through_the_fake_implementations():
 
 # -- argument errors without ranks ------------------------------------------------------------------------
 def test_register_and_lookup_refuse_bad_arguments():
-    with pytest.raises(TypeError, match="register: comm"):
+    with pytest.raises(TypeError, match="comm must be a tpcomm.Communicator or an int handle"):
         tops.register("not a communicator")
     with pytest.raises(TypeError, match="handle"):
         tops.lookup(1.0)

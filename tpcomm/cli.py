@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tpcomm",
         description="Tensor-parallel all-reduce fused with residual add + RMSNorm (Triton), on the GPUs "
                     "of one node or on CPU ranks under Triton's interpreter.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"tpcomm {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak,tune}")
     sub.required = True
 

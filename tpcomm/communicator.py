@@ -191,7 +191,8 @@ class Communicator:
             every rank and for every algorithm. Safe in CUDA graphs.
         Raises:
             TypeError: ``x`` is not a tensor, or its dtype has no sum (bool, FP8, complex).
-            ValueError: ``x`` or ``out`` is on another device, or ``out`` does not match ``x``.
+            ValueError: ``x`` or ``out`` is on another device, ``out`` does not match ``x``, or ``out``'s
+                elements overlap (a stride of 0).
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call);
                 :class:`PeerMismatchError` when it made a different call.
         """
@@ -206,10 +207,13 @@ class Communicator:
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError(f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype} but x has "
                                  f"{tuple(x.shape)} and {x.dtype}")
+            if torch._debug_has_internal_overlap(out) == 1:  # 1: overlap for sure (e.g. a stride of 0)
+                raise ValueError(f"{op}: out has elements that share memory (stride {tuple(out.stride())}, "
+                                 "e.g. from expand()); pass a tensor whose elements are distinct")
         if x.numel() == 0:
             return out
         if self._integer_through_kernels(x):
-            out.copy_(self._integer_sum(x).view(x.shape))
+            out.copy_(self._integer_sum(op, x, (tuple(x.shape),)).view(x.shape))
             return out
         n = x.numel()
         width = self._all_reduce_width(n, x.element_size())
@@ -295,9 +299,10 @@ class Communicator:
             raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
         if not isinstance(gemma, bool):
             raise TypeError(f"{op}: gemma must be a bool, got {type(gemma).__name__}")
-        if quant is None and (emit_unquantized or column_major_scales):
-            raise ValueError(f"{op}: emit_unquantized and column_major_scales need quant='fp8_per_token' "
-                             "or 'fp8_per_group'")
+        if quant is None and (emit_unquantized or column_major_scales or group_size != 128
+                              or fp8_dtype != torch.float8_e4m3fn):
+            raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
+                             "quant='fp8_per_token' or 'fp8_per_group' (without quant they would be ignored)")
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         residual_out = torch.empty_like(out) if residual is not None else None
         T = x.numel() // H if H else 0
@@ -349,16 +354,23 @@ class Communicator:
         self._check_open(op)
         self._check_tensor(op, "x", x)
         dim = self._check_dim(op, x, dim)
+        return self._gather(op, x, dim, (tuple(x.shape), dim))
+
+    def _gather(self, op: str, x: torch.Tensor, dim: int, call: tuple) -> torch.Tensor:
+        """:meth:`all_gather` of checked arguments. ``op`` and ``call`` (the user's call: its shape and
+        ``dim``) go into every launch's signature, so an error names the op the user called and peers
+        that called with another ``dim`` (same gathered bytes, other meaning) raise instead of returning
+        wrong values."""
         W = self.world_size
         if dim != 0:
             y = x.movedim(dim, 0)  # (S, *pre, *post)
-            g = self.all_gather(y, 0).view(W, *y.shape).movedim((0, 1), (dim, dim + 1))
+            g = self._gather(op, y, 0, call).view(W, *y.shape).movedim((0, 1), (dim, dim + 1))
             return g.reshape(*x.shape[:dim], W * x.shape[dim], *x.shape[dim + 1:])
         n = x.numel()
         out = torch.empty((W * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         if n == 0:
             return out
-        plan = self.plan(op, n * x.element_size(), n, x.dtype)
+        plan = self.plan("all_gather", n * x.element_size(), n, x.dtype)  # whichever op it serves
         if plan.algorithm != "fallback" and W * n > MAX_INDEXED_ELEMS:
             plan = dispatch.Plan("fallback", "output of 2**31 elements or more")
         if plan.algorithm == "fallback":
@@ -378,7 +390,7 @@ class Communicator:
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * width, min(n, r1 * width)
-                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, tuple(x.shape))
+                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, tuple(x.shape), call)
                 all_gather(src[a:b], dst[a:], n, self.workspace, r1 - r0, width, cfg, sig)
         return out
 
@@ -409,22 +421,26 @@ class Communicator:
         self._check_tensor(op, "x", x)
         self._check_summable(op, x)
         dim = self._check_dim(op, x, dim)
+        return self._scatter(op, x, dim, (tuple(x.shape), dim))
+
+    def _scatter(self, op: str, x: torch.Tensor, dim: int, call: tuple) -> torch.Tensor:
+        """:meth:`reduce_scatter` of checked arguments; ``call`` as in :meth:`_gather`."""
         if dim != 0:
-            return self.reduce_scatter(x.movedim(dim, 0), 0).movedim(0, dim).contiguous()
+            return self._scatter(op, x.movedim(dim, 0), 0, call).movedim(0, dim).contiguous()
         T, W = x.shape[0], self.world_size
         start, length = reference.share_bounds(T, W, self.rank)
         out = torch.empty((length, *x.shape[1:]), dtype=x.dtype, device=x.device)
         if x.numel() == 0:
             return out
         if self._integer_through_kernels(x):
-            out.copy_(self._integer_sum(x).view(x.shape)[start:start + length])
+            out.copy_(self._integer_sum(op, x, call).view(x.shape)[start:start + length])
             return out
         H = x.numel() // T
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
         if plan.algorithm != "fallback" and H < MIN_SCATTER_ROW and x.numel() * self.world_size <= MAX_INDEXED_ELEMS:
             # Narrow rows: every rank's input through the all-gather kernel, then the contract's
             # rank-order sum here (the same bits; and a peer making another call raises, as in a kernel).
-            g = self.all_gather(x.reshape(-1)).view(self.world_size, -1)
+            g = self._gather(op, x.reshape(-1), 0, call).view(self.world_size, -1)
             s = reference.reduce_in_rank_order(list(g.unbind(0))).view(x.shape)
             out.copy_(s[start:start + length])
             return out
@@ -435,7 +451,7 @@ class Communicator:
             out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
         self._run_two_shot(op, x.contiguous().view(-1), out.view(-1), None, None, None, T, H, 0.0,
-                           norm=False, gemma=False, scatter_only=True, call_shape=tuple(x.shape))
+                           norm=False, gemma=False, scatter_only=True, call_shape=call)
         return out
 
     def _integer_through_kernels(self, x: torch.Tensor) -> bool:
@@ -446,10 +462,11 @@ class Communicator:
         return (not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
                 and self.uses_kernels and self.algorithm != "fallback")
 
-    def _integer_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Flat sum over the ranks of integer ``x``: every rank's input through :meth:`all_gather`, summed
-        in int64 (exact; wraps modulo 2**64, then modulo the dtype's range like a native sum)."""
-        g = self.all_gather(x.reshape(-1))
+    def _integer_sum(self, op: str, x: torch.Tensor, call: tuple) -> torch.Tensor:
+        """Flat sum over the ranks of integer ``x``: every rank's input through the all-gather kernel
+        (signed as ``op``'s ``call``), summed in int64 (exact; wraps modulo 2**64, then modulo the
+        dtype's range like a native sum)."""
+        g = self._gather(op, x.reshape(-1), 0, call)
         return g.view(self.world_size, -1).to(torch.int64).sum(0).to(x.dtype)
 
     @contextlib.contextmanager

@@ -107,9 +107,15 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
     Returns:
         ``fn``'s return values, in rank order.
     Raises:
+        TypeError: ``world_size`` is not an int, or ``args`` is not a tuple (or list).
         ValueError: ``world_size`` or ``device`` is invalid.
         RankFailure: a rank raised or crashed, or the ranks ran past ``timeout_s``.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"launch: args must be a tuple of fn's extra arguments, got {type(args).__name__} "
+                        "(pass args=(value,) for one)")
     device = device or default_device()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"launch: device must be 'cuda' or 'cpu', got {device!r}")

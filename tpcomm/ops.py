@@ -74,7 +74,8 @@ def register(comm) -> int:
     from .communicator import Communicator
 
     if not isinstance(comm, Communicator):
-        raise TypeError(f"register: comm must be a tpcomm.Communicator, got {type(comm).__name__}")
+        raise TypeError(f"tpcomm ops: comm must be a tpcomm.Communicator or an int handle, got "
+                        f"{type(comm).__name__}")
     return comm.handle
 
 

@@ -87,6 +87,8 @@ def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight
     w = weight.to(torch.float32)
     if gemma:
         w = 1.0 + w
+    if v.shape[-1] == 0:  # rows of no elements: nothing to normalise
+        return torch.empty_like(s), residual_out
     ss = sum_of_squares(v)
     # Each step rounded to float32 as in the kernels; division and square root are taken in float64 and
     # rounded once, which is the correctly rounded float32 result (53 >= 2 * 24 + 2 bits), on every
