@@ -15,17 +15,18 @@ from . import dispatch, reference
 from .env import interpreter_enabled, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
 from .fp8_outputs import fp8_outputs
+from .quant import DEFAULT_GROUP_SIZE
 from .kernels.sync import MISMATCH_CODE, call_signature
 from .workspace import Workspace
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
 DEFAULT_MAX_BYTES_CUDA = 32 << 20
+DEFAULT_MAX_BYTES_CPU = 1 << 20
 #: Every live Communicator by its ``handle`` (weak), for ``tpcomm.ops``: handles start at 1 and are never
 #: reused, so a compiled graph that outlives its communicator raises instead of using another one.
 _BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
-DEFAULT_MAX_BYTES_CPU = 1 << 20
 #: The largest finite float32 (``eps`` is added in float32).
 FLOAT32_MAX = 3.4028234663852886e38
 #: Kernels index a launch's elements with int32: one launch stays under 2**31 elements.
@@ -231,7 +232,7 @@ class Communicator:
 
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                           eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
-                          fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = 128,
+                          fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
                           column_major_scales: bool = False, emit_unquantized: bool = False):
         """All-reduce ``x``, add ``residual``, RMSNorm — in one kernel.
 
@@ -299,7 +300,7 @@ class Communicator:
             raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
         if not isinstance(gemma, bool):
             raise TypeError(f"{op}: gemma must be a bool, got {type(gemma).__name__}")
-        if quant is None and (emit_unquantized or column_major_scales or group_size != 128
+        if quant is None and (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
                               or fp8_dtype != torch.float8_e4m3fn):
             raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
                              "quant='fp8_per_token' or 'fp8_per_group' (without quant they would be ignored)")
