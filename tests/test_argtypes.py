@@ -39,3 +39,13 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tpcomm {__version__}"
+
+
+def test_lists_drop_repeats_and_world_lists_need_two_ranks(capsys):
+    from tpcomm.argtypes import choice_list, int_list, world_list
+
+    assert int_list("2,2,16") == (2, 16) and choice_list(("graph", "eager"))("graph,graph") == ("graph",)
+    assert world_list("2,4,2") == (2, 4)
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", "--world", "1"])
+    assert e.value.code == 2 and "--world" in capsys.readouterr().err

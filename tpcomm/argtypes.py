@@ -49,24 +49,33 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """``"1,16,64"`` -> ``(1, 16, 64)``; every value >= 1."""
+def _ints_at_least(text: str, low: int, what: str = "") -> tuple[int, ...]:
     try:
         vals = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return vals
+    if not vals or any(v < low for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {low}{what}, got {text!r}")
+    return tuple(dict.fromkeys(vals))  # a value given twice counts once
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"1,16,64"`` -> ``(1, 16, 64)``; every value >= 1; repeats dropped."""
+    return _ints_at_least(text, 1)
+
+
+def world_list(text: str) -> tuple[int, ...]:
+    """``"2,4"`` -> ``(2, 4)``: numbers of ranks, each >= 2; repeats dropped."""
+    return _ints_at_least(text, 2, " (ranks)")
 
 
 def choice_list(allowed) -> callable:
-    """An argparse type: comma-separated names, each one of ``allowed``."""
+    """An argparse type: comma-separated names, each one of ``allowed``; repeats dropped."""
     def parse(text: str) -> tuple[str, ...]:
         vals = tuple(t.strip() for t in text.split(",") if t.strip())
         bad = [v for v in vals if v not in allowed]
         if not vals or bad:
             raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(allowed)}, "
                                              f"got {text!r}")
-        return vals
+        return tuple(dict.fromkeys(vals))  # a name given twice counts once
     return parse

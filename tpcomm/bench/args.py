@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..argtypes import choice_list, int_list, positive_int
+from ..argtypes import choice_list, int_list, non_negative_float, positive_int, world_list
 from .config import DTYPE_NAMES, MODES, OPS
 
 
@@ -13,7 +13,7 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     :class:`tpcomm.bench.config.BenchConfig`."""
     from .contenders import NAMES
 
-    b.add_argument("--world", type=int_list, default=None,
+    b.add_argument("--world", type=world_list, default=None,
                    help="GPUs, or comma-separated world sizes to run one after another, e.g. 2,4,8 "
                         "(default: all visible)")
     b.add_argument("--ops", type=choice_list(tuple(OPS)), default=None,
@@ -41,7 +41,7 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--graph-calls", type=positive_int, default=20,
                    help="most calls per graph (fewer for messages over 50 MiB, see set_bytes)")
     b.add_argument("--replays", type=positive_int, default=20, help="most timed replays per row")
-    b.add_argument("--eps", type=float, default=1e-6)
+    b.add_argument("--eps", type=non_negative_float, default=1e-6, help="RMSNorm epsilon (default 1e-6)")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import datetime
 import time
 
 from ..argtypes import positive_int
+from ..argtypes import world_size as ranks_arg
 from .config import DTYPE_NAMES, OPS, default_out_path, estimate_seconds, make_config, measurements_path
 
 #: Exit statuses: a table was written / a check, a rank or the workspace failed / this machine cannot
@@ -38,7 +39,7 @@ def _ops(text: str) -> tuple[str, ...]:
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``tpcomm tune`` (added to its subparser by :mod:`tpcomm.cli`)."""
-    p.add_argument("--world", type=positive_int, default=None, help="GPUs (default: all visible)")
+    p.add_argument("--world", type=ranks_arg, default=None, help="GPUs, >= 2 (default: all visible)")
     p.add_argument("--hidden", type=positive_int, default=6144,
                    help="hidden size of the fused op's rows (default 6144); the all-reduce is flat")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16",
