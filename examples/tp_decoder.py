@@ -339,7 +339,7 @@ def main(argv=None) -> int:
         cfg.validate()
     except ValueError as e:
         ap.error(str(e))
-    print(f"tp_decoder: {world} {device} ranks, {cfg.layers} layers, T={cfg.tokens}, H={cfg.hidden}, "
+    print(f"tp_decoder: {world} {device} rank{'s' if world > 1 else ''}, {cfg.layers} layers, T={cfg.tokens}, H={cfg.hidden}, "
           f"heads={cfg.heads}, I={cfg.intermediate}, {cfg.dtype}, compile={cfg.compile} ({cfg.backend}), "
           f"graph={cfg.graph}")
     results = launch(run_rank, world, device, args=(dataclasses.asdict(cfg),), timeout_s=900)
@@ -347,8 +347,8 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["output", "rel. error vs reference", "tolerance", "ranks identical", "check"],
                    tablefmt="github"))
     kernels = all(r["uses_kernels"] for r in results)
-    print(f"tpcomm kernels: {'yes' if kernels else 'no (fallback)'}; compilations per rank: "
-          f"{[r['compiles'] for r in results]}")
+    compiles = f"; compilations per rank: {[r['compiles'] for r in results]}" if cfg.compile else ""
+    print(f"tpcomm kernels: {'yes' if kernels else 'no (fallback)'}{compiles}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
