@@ -323,9 +323,11 @@ def registry_case(ctx):
     h3 = tops.register(third)
     w = torch.ones(8, dtype=torch.float32)
     bad_weight = _error(lambda: tops.fused_add_rmsnorm(first, x, None, torch.ones(7)))
+    fp8_option_without_quant = _error(lambda: tops.fused_add_rmsnorm(first, x, None, w, group_size=4))
     after = tops.fused_add_rmsnorm(first, x, x, w)[1]  # ranks still in step after the refused call
     result = {"h1": h1, "h1_again": h1_again, "h2": h2, "h3": h3, "by_handle": by_handle, "closed": closed,
               "gone": gone, "bad_weight": bad_weight, "after": after,
+              "fp8_option_without_quant": fp8_option_without_quant,
               "bad_register": _error(lambda: tops.register(object())),
               "bad_handle": _error(lambda: tops.lookup("1"))}
     first.close()

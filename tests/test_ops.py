@@ -131,6 +131,7 @@ def test_registry_handles(pool2):
         assert got["closed"] is not None and got["closed"][0] == "RuntimeError" and "closed" in got["closed"][1]
         assert got["gone"] == ("LookupError", got["gone"][1]) and f"handle {got['h2']}" in got["gone"][1]
         assert got["bad_weight"][0] == "ValueError" and "weight" in got["bad_weight"][1]
+        assert got["fp8_option_without_quant"][0] == "ValueError" and "group_size" in got["fp8_option_without_quant"][1]
         # after: the sum plus the residual (this rank's x)
         assert torch.equal(got["after"], torch.full((2, 8), float(sum(range(1, W + 1)) + r + 1)))
         assert got["bad_register"][0] == "TypeError" and got["bad_handle"][0] == "TypeError"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from . import dispatch, reference
 from .env import interpreter_enabled, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
-from .fp8_outputs import fp8_outputs
+from .fp8_outputs import check_unquantized_call, fp8_outputs
 from .quant import DEFAULT_GROUP_SIZE
 from .kernels.sync import MISMATCH_CODE, call_signature
 from .workspace import Workspace
@@ -300,10 +300,8 @@ class Communicator:
             raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
         if not isinstance(gemma, bool):
             raise TypeError(f"{op}: gemma must be a bool, got {type(gemma).__name__}")
-        if quant is None and (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
-                              or fp8_dtype != torch.float8_e4m3fn):
-            raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
-                             "quant='fp8_per_token' or 'fp8_per_group' (without quant they would be ignored)")
+        if quant is None:
+            check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         residual_out = torch.empty_like(out) if residual is not None else None
         T = x.numel() // H if H else 0

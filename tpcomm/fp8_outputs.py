@@ -69,6 +69,19 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
     return native_fp8(device, fp8_dtype)  # asks the device once (it was a tenth of a call's host time)
 
 
+def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, emit_unquantized) -> None:
+    """A call without ``quant`` takes none of the FP8 options (they would be ignored).
+
+    Raises:
+        ValueError: ``emit_unquantized`` or ``column_major_scales`` is set, or ``group_size`` /
+            ``fp8_dtype`` differs from its default.
+    """
+    if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
+            or fp8_dtype != torch.float8_e4m3fn):
+        raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
+                         "quant='fp8_per_token' or 'fp8_per_group' (without quant they would be ignored)")
+
+
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,
                 column_major_scales: bool) -> Fp8Outputs:
     """Validate the quant arguments of ``op`` for input ``x`` (``(..., H)``) and allocate the outputs.

@@ -56,6 +56,8 @@ from typing import Optional
 import torch
 
 from . import graphs
+from .fp8_outputs import check_unquantized_call
+from .quant import DEFAULT_GROUP_SIZE
 
 # -- registry -------------------------------------------------------------------------------------------
 def register(comm) -> int:
@@ -296,7 +298,7 @@ def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
-                      fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = 128,
+                      fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
                       column_major_scales: bool = False, emit_unquantized: bool = False):
     """``comm.fused_add_rmsnorm(...)`` through the op ``tpcomm::fused_add_rmsnorm`` (or
     ``tpcomm::fused_add_rmsnorm_fp8`` with ``quant``): all-reduce ``x``, add ``residual``, RMSNorm, and
@@ -325,10 +327,8 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         As :meth:`tpcomm.Communicator.fused_add_rmsnorm`; ``LookupError`` for an unknown handle.
     """
     handle = handle_of(comm)
-    if quant is None:
-        if column_major_scales or emit_unquantized:  # the method refuses these too; the op has no slot for them
-            raise ValueError("fused_add_rmsnorm: emit_unquantized and column_major_scales need "
-                             "quant='fp8_per_token' or 'fp8_per_group'")
+    if quant is None:  # the method refuses these options too; the op has no slot for them
+        check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized)
         outs = torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual, weight, eps, gemma)
         return (outs[0], None) if residual is None else (outs[0], outs[1])
     outs = torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
