@@ -10,7 +10,7 @@ tail -3 $W/gpu_tests.log >> $W/summary.txt
 timeout 150 python3 -m tpcomm bench --world 2 --hidden 6144 --dtype bf16 --modes graph,eager \
     --json $W/bench-w2.json > $W/bench.log 2>&1; echo "bench rc=$?" | tee -a $W/summary.txt
 timeout 70 python3 -m tpcomm tune --quick --world 2 --out $W/dispatch-w2.json > $W/tune.log 2>&1; echo "tune rc=$?" | tee -a $W/summary.txt
-timeout 100 python3 -m tpcomm soak --steps 10000 --world 2 > $W/soak.log 2>&1; echo "soak rc=$?" | tee -a $W/summary.txt
+timeout 240 python3 -m tpcomm soak --steps 10000 --world 2 > $W/soak.log 2>&1; echo "soak rc=$?" | tee -a $W/summary.txt
 tail -5 $W/soak.log >> $W/summary.txt
 timeout 40 python3 -m tpcomm demo > $W/demo.log 2>&1; echo "demo rc=$?" | tee -a $W/summary.txt
 tar czf $OUT/results.tgz -C $W .
