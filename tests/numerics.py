@@ -124,6 +124,15 @@ def assert_ranks_identical(per_rank: list[torch.Tensor], what: str) -> None:
     assert not differ, f"{what}: ranks {differ} differ from rank 0"
 
 
+def raised(fn) -> tuple[str, str] | None:
+    """``(type name, message)`` of what ``fn()`` raised, or None (the test decides which types are right)."""
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
 class Checks:
     """Collects failed assertions so one test reports every failing rank and output, not the first.
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import tpcomm
 import tpcomm.graphs as tgraphs
 import tpcomm.ops as tops
-from numerics import all_inputs, bits, out_ulp_tolerance, residual_input, ulp_distance, weight_input
+from numerics import all_inputs, bits, out_ulp_tolerance, raised, residual_input, ulp_distance, weight_input
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -27,15 +27,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point():
         return torch.equal(a, b)
     return torch.equal(bits(a), bits(b))
-
-
-def _error(fn):
-    """``(type name, message)`` of what ``fn()`` raised, or None."""
-    try:
-        fn()
-    except Exception as e:  # the test decides which types are right
-        return type(e).__name__, str(e)
-    return None
 
 
 # -- test_ops -------------------------------------------------------------------------------------------
@@ -315,21 +306,21 @@ def registry_case(ctx):
     x = torch.full((2, 8), float(ctx.rank + 1), dtype=torch.float32)
     by_handle = tops.all_reduce(h2, x)
     second.close()
-    closed = _error(lambda: tops.all_reduce(h2, x))
+    closed = raised(lambda: tops.all_reduce(h2, x))
     del second
     gc.collect()
-    gone = _error(lambda: tops.all_reduce(h2, x))
+    gone = raised(lambda: tops.all_reduce(h2, x))
     third = tpcomm.Communicator()
     h3 = tops.register(third)
     w = torch.ones(8, dtype=torch.float32)
-    bad_weight = _error(lambda: tops.fused_add_rmsnorm(first, x, None, torch.ones(7)))
-    fp8_option_without_quant = _error(lambda: tops.fused_add_rmsnorm(first, x, None, w, group_size=4))
+    bad_weight = raised(lambda: tops.fused_add_rmsnorm(first, x, None, torch.ones(7)))
+    fp8_option_without_quant = raised(lambda: tops.fused_add_rmsnorm(first, x, None, w, group_size=4))
     after = tops.fused_add_rmsnorm(first, x, x, w)[1]  # ranks still in step after the refused call
     result = {"h1": h1, "h1_again": h1_again, "h2": h2, "h3": h3, "by_handle": by_handle, "closed": closed,
               "gone": gone, "bad_weight": bad_weight, "after": after,
               "fp8_option_without_quant": fp8_option_without_quant,
-              "bad_register": _error(lambda: tops.register(object())),
-              "bad_handle": _error(lambda: tops.lookup("1"))}
+              "bad_register": raised(lambda: tops.register(object())),
+              "bad_handle": raised(lambda: tops.lookup("1"))}
     first.close()
     third.close()
     return result
@@ -355,7 +346,7 @@ def warmup_case(ctx, shapes):
         inside = tops.all_reduce(comm, x)  # not capturing: an ordinary call
     comm.close()
     return {"calls": calls, "count": len(warmed), "seen": seen, "guard": guard is not None,
-            "inside": inside.shape == x.shape, "closed": _error(lambda: tgraphs.capture_guard(comm).__enter__())}
+            "inside": inside.shape == x.shape, "closed": raised(lambda: tgraphs.capture_guard(comm).__enter__())}
 
 
 # -- test_example_tp_decoder -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import tpcomm
 from tpcomm import dispatch
 from harness import new_communicator
-from numerics import all_inputs, bits, residual_input, weight_input
+from numerics import all_inputs, bits, raised, residual_input, weight_input
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -57,15 +57,6 @@ def _exact_int_sum(xs) -> torch.Tensor:
     for x in xs:
         acc += x.to(torch.int64)
     return acc
-
-
-def _error(fn) -> tuple[str, str] | None:
-    """``(type name, message)`` of what ``fn()`` raised, or None."""
-    try:
-        fn()
-    except Exception as e:  # the test decides which types are right
-        return type(e).__name__, str(e)
-    return None
 
 
 # -- all_reduce -----------------------------------------------------------------------------------------
@@ -320,7 +311,7 @@ def bad_input_case(ctx, case):
     """What a bad call raised (type name, message), or None; then a good call, to show the
     communicator is still in step on every rank."""
     comm = ctx.comm()
-    seen = _error(_bad_call(comm, case))
+    seen = raised(_bad_call(comm, case))
     x = torch.full((2, 32), float(ctx.rank + 1), dtype=torch.bfloat16)
     after = comm.all_reduce(x)
     return {"error": seen, "after": after}
@@ -365,7 +356,7 @@ def constructor_error_case(ctx, case):
                   "timeout_zero": {"timeout_s": 0}, "timeout_negative": {"timeout_s": -1.0},
                   "timeout_inf": {"timeout_s": float("inf")}, "algo_env": {},
                   "max_bytes_float": {"max_bytes": 4096.5}, "timeout_str": {"timeout_s": "abc"}}[case]
-        return _error(lambda: tpcomm.Communicator(**kwargs))
+        return raised(lambda: tpcomm.Communicator(**kwargs))
     finally:
         if saved is None:
             os.environ.pop("TPCOMM_ALGO", None)
@@ -408,11 +399,11 @@ def life_cycle_case(ctx):
     comm.close()
     seen["after_close"] = mine()
     x = torch.ones(2, 8, dtype=torch.bfloat16)
-    seen["all_reduce_after_close"] = _error(lambda: comm.all_reduce(x))
-    seen["fused_after_close"] = _error(lambda: comm.fused_add_rmsnorm(x, x, torch.ones(8, dtype=x.dtype)))
+    seen["all_reduce_after_close"] = raised(lambda: comm.all_reduce(x))
+    seen["fused_after_close"] = raised(lambda: comm.fused_add_rmsnorm(x, x, torch.ones(8, dtype=x.dtype)))
     with tpcomm.Communicator(max_bytes=4096) as c2:
         y2 = c2.all_reduce(torch.ones(8, dtype=torch.float32))
-    seen["ctx_closed"] = _error(lambda: c2.all_reduce(x))
+    seen["ctx_closed"] = raised(lambda: c2.all_reduce(x))
     dist.barrier()
     seen["after_all"] = mine()
     seen["y"], seen["y2"] = y, y2
@@ -507,7 +498,7 @@ def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
             except Exception as e:  # a wrong exception type is a finding, not a harness failure
                 seen = {"type": type(e).__name__, "message": str(e)}
             elapsed = time.perf_counter() - t0
-            again = _error(lambda: comm.all_reduce(x))  # documented: unusable afterwards
+            again = raised(lambda: comm.all_reduce(x))  # documented: unusable afterwards
         else:
             again = None
         dist.barrier()  # the skipper keeps its workspace until every caller has given up
@@ -558,7 +549,7 @@ def launch_die_after_comm(rank, world_size, pid_dir, how, dying_rank, timeout_s)
             os._exit(3)
         raise RuntimeError(f"rank {rank} fails on purpose after creating its communicator")
     t0 = time.perf_counter()
-    err = _error(lambda: comm.all_reduce(torch.ones(4, 16, dtype=torch.bfloat16)))
+    err = raised(lambda: comm.all_reduce(torch.ones(4, 16, dtype=torch.bfloat16)))
     elapsed = time.perf_counter() - t0
     comm.close()
     with open(os.path.join(pid_dir, f"rank{rank}.seen"), "w") as f:

@@ -225,7 +225,7 @@ class Communicator:
         src = x.contiguous().view(-1)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
-                       gemma=False, call_shape=tuple(x.shape))
+                       gemma=False, call=(tuple(x.shape),))
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         return out
@@ -389,7 +389,7 @@ class Communicator:
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * width, min(n, r1 * width)
-                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, tuple(x.shape), call)
+                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, call)
                 all_gather(src[a:b], dst[a:], n, self.workspace, r1 - r0, width, cfg, sig)
         return out
 
@@ -450,7 +450,7 @@ class Communicator:
             out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
         self._run_two_shot(op, x.contiguous().view(-1), out.view(-1), None, None, None, T, H, 0.0,
-                           norm=False, gemma=False, scatter_only=True, call_shape=call)
+                           norm=False, gemma=False, scatter_only=True, call=call)
         return out
 
     def _integer_through_kernels(self, x: torch.Tensor) -> bool:
@@ -535,10 +535,13 @@ class Communicator:
         return plan
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                  quant=None, call_shape=()):
+                  quant=None, call=()):
+        """Launch ``plan`` over ``n_rows`` rows of ``H`` in as many launches as the workspace needs.
+        ``call`` is what tells the user's call apart beyond the flat sizes (its shape; with ``dim`` for
+        gathers and scatters): part of every launch's signature."""
         if plan.algorithm == "two_shot":
             self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                               quant=quant, call_shape=call_shape)
+                               quant=quant, call=call)
             return
         from .kernels.lamport import lamport
         from .kernels.one_shot import one_shot
@@ -563,11 +566,11 @@ class Communicator:
                             weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
                 sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
-                                 residual is not None, gemma, quant.mode if quant else 0, eps, call_shape)
+                                 residual is not None, gemma, quant.mode if quant else 0, eps, call)
                 (lamport if use_lamport else one_shot)(*args, sig, quant=q)
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                      scatter_only=False, quant=None, call_shape=()):
+                      scatter_only=False, quant=None, call=()):
         from .kernels.two_shot import two_shot
 
         ws = self.workspace
@@ -579,7 +582,7 @@ class Communicator:
                 n_local = min(per_launch, longest - j0)
                 sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
                                  residual is not None, gemma, quant.mode if quant else 0, scatter_only, eps,
-                                 call_shape)
+                                 call)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
                          gemma, sig, scatter_only, quant)
 
