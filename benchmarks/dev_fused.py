@@ -13,7 +13,11 @@ import torch
 import torch.distributed as dist
 
 
-def graph_time(fn, calls=20, replays=30):
+def graph_time(fn, calls=50, replays=30):
+    """µs per call of ``fn`` captured ``calls`` times in one graph: median over replays of the slowest
+    rank. Before each replay a one-element NCCL all-reduce lines the GPUs up and a GPU sleep lets every
+    host enqueue the replay before any starts (as ``tpcomm.bench.timing``), so no rank waits for a late
+    host inside the timed region."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -26,13 +30,15 @@ def graph_time(fn, calls=20, replays=30):
         for _ in range(calls):
             fn()
     times = []
-    for _ in range(replays):
-        dist.barrier()
+    line_up = torch.zeros(1, device="cuda")
+    for _ in range(replays + 2):
         torch.cuda.synchronize()
+        dist.all_reduce(line_up)
+        torch.cuda._sleep(200_000)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(); g.replay(); b.record(); b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / calls)
-    t = torch.tensor(times, device="cuda")
+    t = torch.tensor(times[2:], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.median())
 

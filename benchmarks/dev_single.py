@@ -35,14 +35,6 @@ def _q_rcp(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _finish_relaxed(state_ptr, epoch, num_programs):
-    done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")
-    if done == num_programs - 1:
-        tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _finish_none(state_ptr, epoch, num_programs):
     pass
 
@@ -58,9 +50,17 @@ def _patch_finish(fn):
         m.finish_program = fn
 
 
-def _patch_tree_sum():
+@triton.jit
+def _tree_sum_pairs(x):  # the pairwise tree the order-free sum replaced (to time it against)
+    for _ in tl.static_range(14):
+        if x.shape[0] > 1:
+            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    return tl.sum(x, axis=0)
+
+
+def _patch_tree_sum(fn=_tree_sum_tl):
     from tpcomm.kernels import epilogue
-    epilogue.tree_sum = _tree_sum_tl
+    epilogue.order_free_sum = fn
 
 
 def _patch_warps(n):
@@ -79,11 +79,26 @@ def _patch_quantize(fn):
 
 
 #: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
+def _patch_no_preload():
+    from tpcomm.kernels import lamport, one_shot
+    lamport.PRELOAD_EPILOGUE = one_shot.PRELOAD_EPILOGUE = tl.constexpr(False)
+
+
+@triton.jit
+def _finish_acq_rel(state_ptr, epoch, num_programs):
+    done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == num_programs - 1:
+        tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(state_ptr, epoch + 1, sem="release", scope="gpu")
+
+
 VARIANTS = {
+    "no_preload": _patch_no_preload,
+    "acq_rel_finish": lambda: _patch_finish(_finish_acq_rel),
     "rcp": lambda: _patch_quantize(_q_rcp),
-    "relaxed_finish": lambda: _patch_finish(_finish_relaxed),
-    "no_finish": lambda: _patch_finish(_finish_none),
-    "tl_sum": _patch_tree_sum,
+    "no_finish": lambda: _patch_finish(_finish_none),  # one rank only: peers would see stale epochs
+    "tree_sum": lambda: _patch_tree_sum(_tree_sum_pairs),
+    "tl_sum": _patch_tree_sum,  # not order-free: bounds what the sum of squares costs
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
 }

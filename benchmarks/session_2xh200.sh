@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device calls on 2 H200s after kernel changes, in two parts that each fit one 600 s call:
-#   bash benchmarks/session_2xh200.sh tests   # call-by-call smoke run, then every GPU test file
+#   bash benchmarks/session_2xh200.sh tests   # every GPU test file, then decode timings of kernel variants
 #   bash benchmarks/session_2xh200.sh sweep   # the 10,000-step soak, then the full bench sweep with FlashInfer
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
@@ -8,12 +8,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 W=$OUT/work; mkdir -p $W
 case "$1" in
 tests)
-    timeout 60 python3 benchmarks/diag_calls.py > $W/diag_calls.log 2>&1; echo "diag rc=$?" | tee -a $W/summary.txt
-    timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu.py tests/test_gpu_collectives.py \
-        tests/test_gpu_fused_fp8.py tests/test_gpu_bad_inputs.py tests/test_gpu_hygiene.py tests/test_gpu_graphs.py \
-        tests/test_quant.py --durations=15 > $W/gpu_tests.log 2>&1
-    echo "gpu tests rc=$?" | tee -a $W/summary.txt
-    grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/gpu_tests.log | tail -20 >> $W/summary.txt ;;
+    # Four pytest processes at once (compiling dominates; 32 cores), then the hygiene file alone (it
+    # counts this machine's /dev/shm files), then decode timings of kernel variants in what time is left.
+    gpu_tests() { name=$1; shift
+        timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$@" --durations=5 > $W/$name.log 2>&1
+        echo "$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/$name.log | tail -8 >> $W/summary.txt; }
+    gpu_tests gpu tests/test_gpu.py & gpu_tests collectives tests/test_gpu_collectives.py &
+    gpu_tests fp8 tests/test_gpu_fused_fp8.py tests/test_quant.py & gpu_tests graphs tests/test_gpu_graphs.py tests/test_gpu_bad_inputs.py &
+    wait
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_hygiene.py > $W/hygiene.log 2>&1
+    echo "hygiene rc=$?" >> $W/summary.txt; tail -3 $W/hygiene.log >> $W/summary.txt
+    timeout ${DECODE_S:-100} python3 benchmarks/dev_decode.py --variants ${VARIANTS:-base,tree_sum} --out $W > $W/dev_decode.log 2>&1
+    echo "decode rc=$?" >> $W/summary.txt ;;
 sweep)
     timeout 240 python3 -m tpcomm soak --steps 10000 --device cuda --seed 0 > $W/soak10000.log 2>&1
     echo "soak rc=$?" | tee -a $W/summary.txt; tail -8 $W/soak10000.log >> $W/summary.txt

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import tpcomm
 import tpcomm.graphs as tgraphs
 import tpcomm.ops as tops
+from tpcomm.dispatch import DEFAULT_TABLE
 from gpu_cases import _digest, _max_ulp, _mismatch, gpu_inputs
 from numerics import out_ulp_tolerance
 
@@ -64,12 +65,14 @@ def all_cases(rank, world_size, cfg):
 
 
 # -- replay soak ----------------------------------------------------------------------------------------
+#: Rows of 4096 bf16 that the default table sends to two-shot (fused, 2 ranks): 1536 (12 MiB) today.
+TWO_SHOT_ROWS = -(-DEFAULT_TABLE.lookup("fused_add_rmsnorm", 2).two_shot_min_bytes // (4096 * 2))
 #: The calls captured in one graph: (kind, (T, H), dtype name). Under the default dispatch the 16-bit
-#: calls up to 4 MiB take Lamport, fp32 one-shot, and 1024 x 4096 bf16 (8 MiB) two-shot, so all three
+#: calls up to 4 MiB take Lamport, fp32 one-shot, and TWO_SHOT_ROWS x 4096 bf16 two-shot, so all three
 #: kernels share the graph with the FP8 form, all-gather and reduce-scatter.
 SOAK_CALLS = [("fused", (16, 4096), "bfloat16"), ("all_reduce", (16, 4096), "bfloat16"),
               ("fused", (4, 4096), "float32"), ("fused_no_res", (64, 4096), "float16"),
-              ("all_reduce", (3, 4096), "float32"), ("fused", (1024, 4096), "bfloat16"),
+              ("all_reduce", (3, 4096), "float32"), ("fused", (TWO_SHOT_ROWS, 4096), "bfloat16"),
               ("fp8", (32, 4096), "bfloat16"), ("all_gather", (8, 4096), "bfloat16"),
               ("reduce_scatter", (9, 4096), "bfloat16")]
 

@@ -4,8 +4,13 @@ against the contract written out by hand and against float64."""
 import pytest
 import torch
 
+import tpcomm  # sets TRITON_INTERPRET=1 without CUDA, before triton is imported below
 import rank_cases
-import tpcomm
+import triton
+import triton.language as tl
+from tpcomm.env import interpreter_enabled
+from tpcomm.kernels.epilogue import order_free_sum as kernel_order_free_sum
+from tpcomm.reference import order_free_sum
 from numerics import (Checks, FLOAT_DTYPES, assert_same_bits, assert_within_ulp, bits, dtype_name,
                       residual_input, weight_input)
 
@@ -103,3 +108,55 @@ def test_collective_references(pool, dtype):
         else:
             check.that(torch.equal(res["ar"], res["ar_local"]), f"rank {r}: {res['ar']} != {res['ar_local']}")
     check.done()
+
+
+def _order_free_rows() -> torch.Tensor:
+    """Rows of squares with everything the sum must survive: a range of 2^200, subnormals, zeros, lanes
+    far under the largest one's unit, float32's largest values, Inf and NaN."""
+    g = torch.Generator().manual_seed(7)
+    wide = (torch.randn(8192, generator=g) * torch.exp2(torch.randint(-60, 60, (8192,), generator=g).float())) ** 2
+    tiny = torch.full((8192,), 1e-45)
+    tiny[0] = 1.0
+    big = torch.zeros(8192)
+    big[:3] = 3e38
+    inf = wide.clone()
+    inf[5] = float("inf")
+    nan = wide.clone()
+    nan[9] = float("nan")
+    sub = torch.zeros(8192)
+    sub[::2] = 1e-45
+    return torch.stack([wide, tiny, big, inf, nan, sub, torch.zeros(8192), torch.rand(8192, generator=g)])
+
+
+def test_order_free_sum_ignores_the_order_and_rounds_like_float32():
+    """The sum of squares is the same bits under any permutation of the lanes, and within float32's
+    rounding of the float64 sum (the truncated bits are under 2^-36 of the largest lane)."""
+    x = _order_free_rows()
+    got = order_free_sum(x)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        perm = torch.randperm(x.shape[-1], generator=g)
+        assert_same_bits(order_free_sum(x[:, perm]), got, "permuted lanes")
+    exact = x.double().sum(-1, keepdim=True)
+    finite = exact.isfinite() & (exact < 3.4e38)
+    rel = ((got.double() - exact).abs() / exact.clamp_min(1e-300))[finite]
+    assert rel.max() <= 2.0 ** -24, rel.max()
+    assert got[2].isinf() and got[3].isinf() and got[4].isnan(), got.flatten()
+    assert got[6].item() == 0.0 and got[5].item() > 0.0
+
+
+@triton.jit
+def _order_free_rows_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, kernel_order_free_sum(tl.load(x_ptr + row * N + tl.arange(0, N))))
+
+
+def test_order_free_sum_kernel_equals_the_reference():
+    """``epilogue.order_free_sum`` (the kernels' sum of squares, here under Triton's interpreter) gives
+    the reference's bits on the same rows."""
+    if not interpreter_enabled():
+        pytest.skip("runs under Triton's interpreter (the GPU tests check the kernels' norms)")
+    x = _order_free_rows()
+    out = torch.empty(x.shape[0])
+    _order_free_rows_kernel[(x.shape[0],)](x, out, N=x.shape[1])
+    assert_same_bits(out.unsqueeze(-1), order_free_sum(x), "kernel sum of squares")

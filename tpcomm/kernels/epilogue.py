@@ -9,11 +9,12 @@ Numerics (DESIGN.md, "The numerics contract"):
   residual_out = T(f32(s) + f32(residual));
   out = T(f32(residual_out) * 1/sqrt(mean(f32(residual_out)^2) + eps) * w'), w' = f32(w) or 1 + f32(w).
 The square root and the division are the correctly rounded ones (``sqrt_rn``, ``div_rn``), so float32
-outputs differ from a float32 reference only through the order of the mean's sum. That sum is taken by
-pairs (:func:`tree_sum`), never with ``tl.sum`` over a tile, whose order follows the layout the compiler
-picks and changed between kernel variants on an H200 (the FP8 variant's ``out`` differed from the plain
-one's); the launchers also turn off FMA contraction (``enable_fp_fusion=False``), so ``a * b + c`` is
-always two roundings, as in the reference.
+outputs differ from a float32 reference only through the mean's sum. That sum is taken in fixed point
+(:func:`order_free_sum`: integer additions, so its bits do not depend on the order), never with a float
+``tl.sum`` over a tile, whose order follows the layout the compiler picks and changed between kernel
+variants on an H200 (the FP8 variant's ``out`` differed from the plain one's); the launchers also turn
+off FMA contraction (``enable_fp_fusion=False``), so ``a * b + c`` is always two roundings, as in the
+reference (:func:`tpcomm.reference.sum_of_squares` computes the same bits).
 """
 
 from dataclasses import dataclass, replace
@@ -29,6 +30,10 @@ from .quant import (abs_bits, amax_from_bits, fp8_scale, group_amax, group_divis
 QUANT_NONE = tl.constexpr(0)
 QUANT_PER_TOKEN = tl.constexpr(1)
 QUANT_PER_GROUP = tl.constexpr(2)
+
+#: Load the weight and the first row's residual before the wait (one-tile rows of one-shot and Lamport,
+#: :func:`preload_row`): a constant, so ``benchmarks/dev_single.py`` can time the kernels without it.
+PRELOAD_EPILOGUE = tl.constexpr(True)
 
 # Triton's interpreter (3.9) truncates float32 -> bfloat16 (and mangles subnormals) whatever rounding
 # is asked for; under it, bf16 outputs are rounded to nearest-even on the bits instead.
@@ -83,11 +88,32 @@ def sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: tl.c
 
 
 @triton.jit
-def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
-    """``residual_out = T(f32(s) + f32(residual))`` stored and returned as float32 (or ``s`` itself
-    when there is no residual). ``s`` is already rounded to the input dtype."""
+def preload_row(res_row_ptr, w_ptr, row_start, numel, H, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The residual tile of one row and the norm weight's tile, ``(res_pre, w_pre)``, loaded before a
+    program waits for its peers so that their latency hides under the wait (rows of one tile; without a
+    residual ``res_pre`` is the weight again, unused). Pass them to :func:`reduce_norm_row` with
+    ``PRELOAD``."""
+    offs = tl.arange(0, BLOCK_H)
+    w_pre = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
     if HAS_RESIDUAL:
-        r = widen(tl.load(res_row_ptr + cols, mask=mask, other=0.0))
+        res_pre = tl.load(res_row_ptr + offs, mask=(offs < H) & (row_start + offs < numel), other=0.0)
+    else:
+        res_pre = w_pre
+    return res_pre, w_pre
+
+
+@triton.jit
+def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, res_pre, use_pre, HAS_RESIDUAL: tl.constexpr,
+                  PRELOAD: tl.constexpr):
+    """``residual_out = T(f32(s) + f32(residual))`` stored and returned as float32 (or ``s`` itself
+    when there is no residual). ``s`` is already rounded to the input dtype. With ``PRELOAD`` the
+    residual is ``res_pre`` where ``use_pre`` (:func:`preload_row` loaded this row), else loaded."""
+    if HAS_RESIDUAL:
+        if PRELOAD:
+            r = tl.load(res_row_ptr + cols, mask=tl.where(use_pre, cols < 0, mask), other=0.0)  # no lane where use_pre
+            r = widen(tl.where(use_pre, res_pre, r))
+        else:
+            r = widen(tl.load(res_row_ptr + cols, mask=mask, other=0.0))
         ro = round_to(widen(s) + r, s.dtype)
         tl.store(res_out_row_ptr + cols, ro, mask=mask)
         return widen(ro)
@@ -95,15 +121,35 @@ def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL: tl.
         return widen(s)
 
 
+#: Left shift that puts the largest lane's leading bit at bit 50 of an int64 (24-bit significand + 26):
+#: 8192 lanes (``MAX_BLOCK_H``, 2**13) of less than 2**50 each sum to less than 2**63.
+FIXED_SHIFT = tl.constexpr(26)
+
+
 @triton.jit
-def tree_sum(x):
-    """Sum of a 1-D tile of a power-of-two size by pairs, ``((x0 + x1) + (x2 + x3)) + ...``: every
-    addition has two operands, so the bits do not depend on how the compiler lays the tile out over
-    threads (``tl.sum``'s order does, and it changes between kernel variants, e.g. with FP8 stores)."""
-    for _ in tl.static_range(14):  # up to 2**14 lanes (MAX_BLOCK_H is 8192)
-        if x.shape[0] > 1:
-            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
-    return tl.sum(x, axis=0)
+def order_free_sum(x):
+    """Sum of a 1-D float32 tile of values >= 0 (sums of squares; NaN and Inf allowed), whose bits do not
+    depend on the order of the additions, so not on how the compiler lays the tile out over threads.
+
+    Each lane's value is converted exactly to an integer multiple of ``2**(emax - 176)`` (``emax``: the
+    largest biased exponent of the tile, at least 1), truncating the bits below that unit: less than
+    ``2**-49`` of the largest lane each, ``2**-36`` in all, far under float32's rounding. The int64 lanes
+    are added (exact, associative), the total is converted to float64 (rounded to nearest), scaled by
+    the unit (exact) and rounded to float32. Lanes holding NaN or Inf make the result the float sum,
+    NaN or Inf whatever the order. Costs two block reductions (the max and the sum); the pairwise tree
+    it replaced took thirteen levels (docs/benchmarks.md)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    emax = tl.maximum(tl.max(e, axis=0), 1)
+    m = ((bits & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)).to(tl.int64)
+    up = tl.maximum(e, 1) - emax + FIXED_SHIFT
+    lanes = (m << tl.maximum(up, 0).to(tl.int64)) >> tl.minimum(tl.maximum(-up, 0), 40).to(tl.int64)
+    total = tl.sum(lanes, axis=0)
+    unit = ((emax - 150 - FIXED_SHIFT + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    fixed = (total.to(tl.float64) * unit).to(tl.float32)
+    if emax == 255:
+        fixed = tl.sum(x, axis=0)
+    return fixed
 
 
 @triton.jit
@@ -114,10 +160,15 @@ def rms_inverse(sum_sq, H, eps):
 
 
 @triton.jit
-def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA: tl.constexpr, STORE_OUT: tl.constexpr):
+def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, w_pre, GEMMA: tl.constexpr, STORE_OUT: tl.constexpr,
+              PRELOAD: tl.constexpr):
     """``out = T(v * inv * w')`` for one tile (stored when ``STORE_OUT``); ``v`` is float32
-    ``residual_out`` (or ``s``). Returns ``out`` widened back to float32 (what FP8 quantises)."""
-    w = widen(tl.load(w_ptr + cols, mask=mask, other=0.0))
+    ``residual_out`` (or ``s``); the weight is ``w_pre`` with ``PRELOAD``, else loaded. Returns ``out``
+    widened back to float32 (what FP8 quantises)."""
+    if PRELOAD:
+        w = widen(w_pre)
+    else:
+        w = widen(tl.load(w_ptr + cols, mask=mask, other=0.0))
     if GEMMA:
         w = 1.0 + w
     o = round_to(v * inv * w, out_row_ptr.dtype.element_ty)
@@ -143,10 +194,11 @@ def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, 
 @triton.jit
 def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_row_ptr, w_ptr,
                     out_row_ptr, q_row_ptr, s_row_ptr, s_group_stride, row_start, numel, H, eps, rank,
+                    res_pre, w_pre, use_pre,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                     PRE_REDUCED: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr,
-                    FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr):
+                    FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, PRELOAD: tl.constexpr):
     """Reduce one row over the ranks (or, with ``PRE_REDUCED``, load its sum ``s`` from
     ``recv_row_ptr``) and run the epilogue.
 
@@ -160,6 +212,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     ``residual_out`` (or ``s`` into ``out``) and accumulates squares, the second re-reads and normalises
     (and quantises per group); per-token FP8 needs the row's amax before any byte, so a third pass
     re-reads ``out`` (``STORE_OUT`` must then be set) and quantises.
+    ``PRELOAD`` (one-tile rows with ``NORM`` only): the weight is ``w_pre`` and, where ``use_pre``, the
+    residual is ``res_pre`` (:func:`preload_row`); callers without it pass any tensors and False.
     """
     SRC16: tl.constexpr = out_row_ptr.dtype.element_ty.primitive_bitwidth == 16
     offs = tl.arange(0, BLOCK_H)
@@ -168,9 +222,10 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
         s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD, PRE_REDUCED,
                      out_row_ptr.dtype.element_ty)
         if NORM:
-            v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, HAS_RESIDUAL)
-            inv = rms_inverse(tree_sum(v * v), H, eps)
-            o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, GEMMA, STORE_OUT)
+            v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, res_pre, use_pre, HAS_RESIDUAL,
+                              PRELOAD)
+            inv = rms_inverse(order_free_sum(v * v), H, eps)
+            o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, w_pre, GEMMA, STORE_OUT, PRELOAD)
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(row_amax(o, mask), FP8)
                 recip, fast = token_division(scale, SRC16)
@@ -190,7 +245,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                          out_row_ptr.dtype.element_ty)
             if NORM:
                 if HAS_RESIDUAL:
-                    v = residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, HAS_RESIDUAL)
+                    v = residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, s, False, HAS_RESIDUAL, False)
                 else:
                     tl.store(out_row_ptr + cols, s, mask=mask)
                     v = widen(s)
@@ -198,7 +253,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             else:
                 tl.store(out_row_ptr + cols, s, mask=mask)
         if NORM:
-            inv = rms_inverse(tree_sum(sq), H, eps)
+            inv = rms_inverse(order_free_sum(sq), H, eps)
             amax_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
             tl.debug_barrier()
             for t in tl.static_range(NUM_TILES):
@@ -209,7 +264,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                 else:
                     v = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
                 tl.debug_barrier()
-                o = norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, GEMMA, STORE_OUT)
+                o = norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, v, GEMMA, STORE_OUT, False)
                 if QUANT == QUANT_PER_TOKEN:
                     amax_bits = tl.maximum(amax_bits, abs_bits(o, mask))
                 elif QUANT == QUANT_PER_GROUP:

@@ -31,7 +31,7 @@ When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.p
 import triton
 import triton.language as tl
 
-from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row
+from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, no_quant_args, preload_row, reduce_norm_row
 from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
                    record_timeout)
 
@@ -130,6 +130,13 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         if q != rank:
             tl.store(peer_ptr(buf_table_ptr, q, tl.int32) + tag_idx + rank, signature)
 
+    # The first row's residual and the weight, loaded now so that their latency hides under the wait.
+    PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
+    if PRELOAD:
+        res_pre, w_pre = preload_row(res_ptr + pid * H, w_ptr, pid * H, numel, H, BLOCK_H, HAS_RESIDUAL)
+    else:
+        res_pre, w_pre = offs, offs
+
     # 2. Check the peers' call tags, then per row: wait for every peer's tiles, reduce + epilogue, re-arm
     #    what was read.
     timeout = _check_tags(peer_ptr(buf_table_ptr, rank, tl.int32) + tag_idx, rank, signature, epoch, pid,
@@ -146,9 +153,9 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
-                        row_start, numel, H, eps, rank,
+                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid,
                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, False,
-                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
+                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)
         tl.debug_barrier()
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs

@@ -23,7 +23,7 @@ crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/benc
 import triton
 import triton.language as tl
 
-from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row
+from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, no_quant_args, preload_row, reduce_norm_row
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
@@ -57,6 +57,13 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                     dst = peer_ptr(buf_table_ptr, q, DTYPE)
                     tl.store(dst + dst_off + cols, v, mask=mask)
 
+    # The first row's residual and the weight, loaded now so that their latency hides under the wait.
+    PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
+    if PRELOAD:
+        res_pre, w_pre = preload_row(res_ptr + pid * H, w_ptr, pid * H, numel, H, BLOCK_H, HAS_RESIDUAL)
+    else:
+        res_pre, w_pre = offs, offs
+
     # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
     timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, WORLD)
@@ -68,9 +75,9 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
-                        row_start, numel, H, eps, rank,
+                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid,
                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, False,
-                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
+                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)
 
     finish_program(state_ptr, epoch, num_programs)
 

@@ -135,8 +135,9 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                     reduce_norm_row(x_ptr + row_start, out_ptr + row_start, slot_stride, res_ptr + row_start,
                                     res_out_ptr + row_start, w_ptr, out_ptr + row_start, q_ptr + row_start,
                                     s_ptr + row * s_row_stride, s_group_stride, row_start, numel, H, eps, rank,
+                                    offs, offs, False,
                                     WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
-                                    QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
+                                    QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
         timeout = wait_peers(flag_table_ptr, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
                              WORLD)
         # 3b. The epilogue of every peer's row j, from the gathered sums.
@@ -152,8 +153,9 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                         slot_stride, res_ptr + row_start, res_out_ptr + row_start, w_ptr,
                                         out_ptr + row_start, q_ptr + row_start, s_ptr + row * s_row_stride,
                                         s_group_stride, row_start, numel, H, eps, rank,
+                                        offs, offs, False,
                                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
-                                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP)
+                                        QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
 
     finish_program(state_ptr, epoch, num_programs)
 
