@@ -1,9 +1,15 @@
 """Host time of one call (Python checks, the plan, signatures, tensor views), with the Triton kernels
 replaced by no-ops: what an eager call costs before Triton's own launcher and the GPU. Two CPU ranks.
+With ``--device cuda`` (2 GPUs): the real kernels, the host time per call (issuing ``calls`` calls, then
+one synchronize) and a cProfile of rank 0's calls, sorted by own time, written to ``--out``.
 
-    PYTHONPATH=. python benchmarks/host_overhead.py [--calls 2000]
+    PYTHONPATH=. python benchmarks/host_overhead.py [--calls 2000] [--device cuda --out DIR]
 """
 import argparse
+import cProfile
+import io
+import os
+import pstats
 import time
 
 import torch
@@ -46,10 +52,53 @@ def body(rank, world, calls):
     return res
 
 
+def body_cuda(rank, world, calls, out_dir):
+    import tpcomm
+
+    comm = tpcomm.Communicator()
+    x = torch.randn(1, 6144, device="cuda").to(torch.bfloat16)
+    r, w = x.clone(), torch.ones(6144, dtype=torch.bfloat16, device="cuda")
+    ops = {"fused T=1": lambda: comm.fused_add_rmsnorm(x, r, w),
+           "fused FP8 T=1": lambda: comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_token"),
+           "all_reduce T=1": lambda: comm.all_reduce(x)}
+    res = {}
+    for name, f in ops.items():
+        for _ in range(20):
+            f()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            f()
+        host = time.perf_counter() - t
+        torch.cuda.synchronize()
+        res[name] = (host / calls * 1e6, (time.perf_counter() - t) / calls * 1e6)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls // 4):
+            f()
+        prof.disable()
+        torch.cuda.synchronize()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            with open(os.path.join(out_dir, f"profile-{name.replace(' ', '_')}.txt"), "w") as fh:
+                fh.write(text.getvalue())
+    comm.close()
+    return res
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", default=".")
     a = p.parse_args()
-    out = launch(body, 2, "cpu", args=(a.calls,))
-    for name in out[0]:
-        print(f"{name:22s} " + "  ".join(f"rank {r}: {o[name]:6.1f} us" for r, o in enumerate(out)))
+    if a.device == "cuda":
+        out = launch(body_cuda, 2, "cuda", args=(a.calls, a.out))
+        for name in out[0]:
+            print(f"{name:16s} " + "  ".join(f"rank {r}: issue {o[name][0]:6.1f} us, with GPU {o[name][1]:6.1f} us"
+                                             for r, o in enumerate(out)))
+    else:
+        out = launch(body, 2, "cpu", args=(a.calls,))
+        for name in out[0]:
+            print(f"{name:22s} " + "  ".join(f"rank {r}: {o[name]:6.1f} us" for r, o in enumerate(out)))
