@@ -81,7 +81,7 @@ def body_cuda(rank, world, calls, out_dir):
         if rank == 0:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-            with open(os.path.join(out_dir, f"profile-{name.replace(' ', '_')}.txt"), "w") as fh:
+            with open(os.path.join(out_dir, f"profile-{name.replace(' ', '_').replace('=', '')}.txt"), "w") as fh:
                 fh.write(text.getvalue())
     comm.close()
     return res

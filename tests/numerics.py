@@ -97,7 +97,7 @@ def out_ulp_tolerance(dtype: torch.dtype, hidden: int) -> int:
     """How far ``out`` may be from the reference, in units in the last place: 0.
 
     The reference (:func:`tpcomm.reference.add_rmsnorm_reference`) takes the sum of squares in the
-    kernels' order-free fixed point (:func:`tpcomm.reference.sum_of_squares`, ``epilogue.order_free_sum``) and
+    kernels' order (:func:`tpcomm.reference.sum_of_squares`, the pairwise ``epilogue.tree_sum``) and
     rounds every other step as they do, so ``out`` is bit-exact for every dtype (DESIGN.md allowed one
     ulp, for a reference that summed in another order).
     """

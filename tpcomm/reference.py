@@ -45,8 +45,8 @@ def reduce_in_rank_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 def sum_of_squares(v: torch.Tensor) -> torch.Tensor:
     """The kernels' sum of squares of float32 rows ``v`` ``(..., H)``, bit for bit: rows are cut into
     ``num_tiles`` tiles of ``block_h`` lanes (:func:`tpcomm.dispatch.row_config`, zero-padded); lane ``i``
-    accumulates ``v[t * block_h + i]**2`` over the tiles in order, from +0.0; the lanes are then added in
-    fixed point (:func:`order_free_sum`). Returns ``(..., 1)`` float32."""
+    accumulates ``v[t * block_h + i]**2`` over the tiles in order, from +0.0; the lanes are then added by
+    pairs, ``((l0 + l1) + (l2 + l3)) + ...`` (``epilogue.tree_sum``). Returns ``(..., 1)`` float32."""
     from .dispatch import row_config
 
     H = v.shape[-1]
@@ -58,24 +58,9 @@ def sum_of_squares(v: torch.Tensor) -> torch.Tensor:
     for t in range(cfg.num_tiles):
         sq = tiles[..., t, :]
         acc = acc + sq * sq
-    return order_free_sum(acc)
-
-
-def order_free_sum(x: torch.Tensor) -> torch.Tensor:
-    """``epilogue.order_free_sum`` over the last dimension of float32 ``x`` (values >= 0, NaN, Inf):
-    each lane as an exact multiple of ``2**(emax - 176)`` truncated (``emax`` the row's largest biased
-    exponent, at least 1), the int64 lanes added, the total rounded to float64, scaled and rounded to
-    float32; rows holding NaN or Inf give their float sum. Returns ``(..., 1)`` float32."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64)
-    e = (bits >> 23) & 0xFF
-    emax = e.amax(-1, keepdim=True).clamp_min(1)
-    m = (bits & 0x7FFFFF) | torch.where(e > 0, 0x800000, 0)
-    up = e.clamp_min(1) - emax + 26
-    lanes = (m << up.clamp_min(0)) >> (-up).clamp(0, 40)
-    total = lanes.sum(-1, keepdim=True)
-    unit = ((emax - 150 - 26 + 1023) << 52).view(torch.float64)
-    fixed = (total.double() * unit).float()
-    return torch.where(emax == 255, x.sum(-1, keepdim=True), fixed)
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    return acc
 
 
 def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

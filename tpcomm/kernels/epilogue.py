@@ -9,12 +9,11 @@ Numerics (DESIGN.md, "The numerics contract"):
   residual_out = T(f32(s) + f32(residual));
   out = T(f32(residual_out) * 1/sqrt(mean(f32(residual_out)^2) + eps) * w'), w' = f32(w) or 1 + f32(w).
 The square root and the division are the correctly rounded ones (``sqrt_rn``, ``div_rn``), so float32
-outputs differ from a float32 reference only through the mean's sum. That sum is taken in fixed point
-(:func:`order_free_sum`: integer additions, so its bits do not depend on the order), never with a float
-``tl.sum`` over a tile, whose order follows the layout the compiler picks and changed between kernel
-variants on an H200 (the FP8 variant's ``out`` differed from the plain one's); the launchers also turn
-off FMA contraction (``enable_fp_fusion=False``), so ``a * b + c`` is always two roundings, as in the
-reference (:func:`tpcomm.reference.sum_of_squares` computes the same bits).
+outputs differ from a float32 reference only through the order of the mean's sum. That sum is taken by
+pairs (:func:`tree_sum`), never with ``tl.sum`` over a tile, whose order follows the layout the compiler
+picks and changed between kernel variants on an H200 (the FP8 variant's ``out`` differed from the plain
+one's); the launchers also turn off FMA contraction (``enable_fp_fusion=False``), so ``a * b + c`` is
+always two roundings, as in the reference.
 """
 
 from dataclasses import dataclass, replace
@@ -121,35 +120,15 @@ def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, res_pre, use_pre,
         return widen(s)
 
 
-#: Left shift that puts the largest lane's leading bit at bit 50 of an int64 (24-bit significand + 26):
-#: 8192 lanes (``MAX_BLOCK_H``, 2**13) of less than 2**50 each sum to less than 2**63.
-FIXED_SHIFT = tl.constexpr(26)
-
-
 @triton.jit
-def order_free_sum(x):
-    """Sum of a 1-D float32 tile of values >= 0 (sums of squares; NaN and Inf allowed), whose bits do not
-    depend on the order of the additions, so not on how the compiler lays the tile out over threads.
-
-    Each lane's value is converted exactly to an integer multiple of ``2**(emax - 176)`` (``emax``: the
-    largest biased exponent of the tile, at least 1), truncating the bits below that unit: less than
-    ``2**-49`` of the largest lane each, ``2**-36`` in all, far under float32's rounding. The int64 lanes
-    are added (exact, associative), the total is converted to float64 (rounded to nearest), scaled by
-    the unit (exact) and rounded to float32. Lanes holding NaN or Inf make the result the float sum,
-    NaN or Inf whatever the order. Costs two block reductions (the max and the sum); the pairwise tree
-    it replaced took thirteen levels (docs/benchmarks.md)."""
-    bits = x.to(tl.int32, bitcast=True)
-    e = (bits >> 23) & 0xFF
-    emax = tl.maximum(tl.max(e, axis=0), 1)
-    m = ((bits & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)).to(tl.int64)
-    up = tl.maximum(e, 1) - emax + FIXED_SHIFT
-    lanes = (m << tl.maximum(up, 0).to(tl.int64)) >> tl.minimum(tl.maximum(-up, 0), 40).to(tl.int64)
-    total = tl.sum(lanes, axis=0)
-    unit = ((emax - 150 - FIXED_SHIFT + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-    fixed = (total.to(tl.float64) * unit).to(tl.float32)
-    if emax == 255:
-        fixed = tl.sum(x, axis=0)
-    return fixed
+def tree_sum(x):
+    """Sum of a 1-D tile of a power-of-two size by pairs, ``((x0 + x1) + (x2 + x3)) + ...``: every
+    addition has two operands, so the bits do not depend on how the compiler lays the tile out over
+    threads (``tl.sum``'s order does, and it changes between kernel variants, e.g. with FP8 stores)."""
+    for _ in tl.static_range(14):  # up to 2**14 lanes (MAX_BLOCK_H is 8192)
+        if x.shape[0] > 1:
+            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    return tl.sum(x, axis=0)
 
 
 @triton.jit
@@ -224,7 +203,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, res_pre, use_pre, HAS_RESIDUAL,
                               PRELOAD)
-            inv = rms_inverse(order_free_sum(v * v), H, eps)
+            inv = rms_inverse(tree_sum(v * v), H, eps)
             o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, w_pre, GEMMA, STORE_OUT, PRELOAD)
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(row_amax(o, mask), FP8)
@@ -253,7 +232,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             else:
                 tl.store(out_row_ptr + cols, s, mask=mask)
         if NORM:
-            inv = rms_inverse(order_free_sum(sq), H, eps)
+            inv = rms_inverse(tree_sum(sq), H, eps)
             amax_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
             tl.debug_barrier()
             for t in tl.static_range(NUM_TILES):
