@@ -2,6 +2,7 @@
 # Device calls on 2 H200s after kernel changes, in two parts that each fit one 600 s call:
 #   bash benchmarks/session_2xh200.sh tests   # every GPU test file, then decode timings of kernel variants
 #   bash benchmarks/session_2xh200.sh sweep   # the 10,000-step soak, then the full bench sweep with FlashInfer
+#   bash benchmarks/session_2xh200.sh decode  # a short bench (hidden 6144/7168, graph), then the GPU tests
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -28,8 +29,25 @@ sweep)
     PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 \
         timeout 330 python3 -m tpcomm bench --json $W/bench-2xH200.json > $W/bench-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt ;;
+decode)
+    # Short: the decode-relevant bench (fused, FP8, all-reduce at hidden 6144 and 7168, graph mode, every
+    # contender), then every GPU test file in the time left (needs carry [".whl"]).
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+    mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"
+    PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 \
+        timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144,7168 --dtype bf16 \
+        --modes graph --json $W/bench-decode-2xH200.json > $W/bench-decode-2xH200.log 2>&1
+    echo "bench rc=$?" | tee -a $W/summary.txt
+    gpu_tests() { name=$1; shift
+        timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$@" --durations=5 > $W/$name.log 2>&1
+        echo "$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/$name.log | tail -8 >> $W/summary.txt; }
+    gpu_tests gpu tests/test_gpu.py & gpu_tests collectives tests/test_gpu_collectives.py &
+    gpu_tests fp8 tests/test_gpu_fused_fp8.py tests/test_quant.py & gpu_tests graphs tests/test_gpu_graphs.py tests/test_gpu_bad_inputs.py &
+    wait
+    timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_hygiene.py > $W/hygiene.log 2>&1
+    echo "hygiene rc=$?" >> $W/summary.txt; tail -1 $W/hygiene.log >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session_2xh200.sh tests|sweep"; exit 2 ;;
+    echo "usage: bash benchmarks/session_2xh200.sh tests|sweep|decode"; exit 2 ;;
 esac
 tar czf $OUT/results.tgz -C $W .
 cat $W/summary.txt
