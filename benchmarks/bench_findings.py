@@ -2,9 +2,10 @@
 (the winner and by how much), the FP8 epilogue's cost over bf16, and the issues' speed targets (fused
 against NCCL + torch epilogue, plain all-reduce against NCCL and symm_mem, % of the peer copy bandwidth).
 
-    python benchmarks/bench_findings.py docs/data/run-2xH200-session4/bench-2xH200.json > findings.md
+    python benchmarks/bench_findings.py BENCH.json[.gz] > findings.md
 """
 import argparse
+import gzip
 import json
 from collections import defaultdict
 
@@ -34,9 +35,10 @@ def not_fastest(doc):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("json")
+    ap.add_argument("json", help="a tpcomm bench --json file (gzipped if it ends in .gz)")
     a = ap.parse_args()
-    doc = json.load(open(a.json))
+    with (gzip.open if a.json.endswith(".gz") else open)(a.json, "rt") as f:
+        doc = json.load(f)
     labels = {n: c["label"] for n, c in doc["contenders"].items()}
     rows = doc["rows"]
     total = defaultdict(int)
