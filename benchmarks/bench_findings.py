@@ -72,24 +72,28 @@ def main():
         f = fused.get((r["dtype"], r["hidden"], r["tokens"]))
         a8, b, u = median(r, "tpcomm"), median(f, "tpcomm") if f else None, median(r, "tpcomm_unfused")
         if a8 and b:
+            unfused = f"{u:.1f} | {u / a8:.2f}x" if u else "- | -"
             print(f"| {r['dtype']} | {r['hidden']} | {r['tokens']} | {b:.1f} | {a8:.1f} | {a8 / b - 1:+.0%} | "
-                  f"{u:.1f} | {u / a8:.2f}x |" if u else "")
+                  f"{unfused} |")
     print("\n## Targets of issue 3 (graph mode, bf16, H 6144)\n")
     print("| T | fused µs | NCCL + torch epilogue µs | speed-up | all-reduce µs | best rival AR µs (who) | "
           "AR % of copy |")
     print("|---|---|---|---|---|---|---|")
     ar = {(r["dtype"], r["hidden"], r["tokens"]): r for r in rows if r["op"] == "all_reduce" and r["mode"] == "graph"}
+    def num(v):
+        return f"{v:.1f}" if v else "-"
+
     for (dt, h, t), f in sorted(fused.items()):
-        if dt != "bf16" or h != 6144:
+        x = ar.get((dt, h, t))
+        if dt != "bf16" or h != 6144 or x is None or median(f, "tpcomm") is None:
             continue
-        x = ar[(dt, h, t)]
         best = min(((median(x, n), n) for n in rivals(doc) if median(x, n)), default=(None, None))
-        ours = median(x, "tpcomm")
-        copy = x["copy_bw_GBps"]
-        pct = x["results"]["tpcomm"].get("busbw_GBps", 0) / copy if copy else 0
-        print(f"| {t} | {median(f, 'tpcomm'):.1f} | {median(f, 'nccl'):.1f} | "
-              f"{median(f, 'nccl') / median(f, 'tpcomm'):.2f}x | {ours:.1f} | {best[0]:.1f} ({labels[best[1]]}) | "
-              f"{pct:.0%} |")
+        ours, nccl = median(x, "tpcomm"), median(f, "nccl")
+        copy = x.get("copy_bw_GBps")
+        pct = f"{x['results']['tpcomm'].get('busbw_GBps', 0) / copy:.0%}" if copy and ours else "-"
+        ratio = f"{nccl / median(f, 'tpcomm'):.2f}x" if nccl else "-"
+        winner = f"{best[0]:.1f} ({labels[best[1]]})" if best[0] else "-"
+        print(f"| {t} | {median(f, 'tpcomm'):.1f} | {num(nccl)} | {ratio} | {num(ours)} | {winner} | {pct} |")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Development timing of decode-sized calls on 2 GPUs, per kernel variant (``dev_single.VARIANTS``,
 combined with ``+``): fused bf16 (Lamport and one-shot), Lamport all-reduce and fused FP8, hidden 6144,
-in CUDA graphs (``dev_fused.graph_time``: 20 calls per graph, median of 30 replays, slowest rank). Each
+in CUDA graphs (``dev_fused.graph_time``: 50 calls per graph, replays lined up as the bench does,
+median of 30, slowest rank). Each
 variant runs in fresh rank processes so its patches apply before anything compiles; every output is
 checked bit for bit against ``tpcomm.reference`` first. Not a published number (those come from
 ``tpcomm bench``): it picks which kernel change to keep.
 
-    PYTHONPATH=. python benchmarks/dev_decode.py --variants base,relaxed_finish,tl_sum [--out DIR]
+    PYTHONPATH=. python benchmarks/dev_decode.py --variants base,acq_rel_finish,tl_sum [--out DIR]
 """
 import argparse
 import json
@@ -68,8 +69,12 @@ def main():
     ap.add_argument("--variants", default="base")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = [name for v in variants for name in v.split("+") if name != "base" and name not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from base, {', '.join(VARIANTS)} (joined with +)")
     results, ok = {}, True
-    for variant in args.variants.split(","):
+    for i, variant in enumerate(variants):
         try:
             res = launch(body, 2, "cuda", args=(variant,))
         except RankFailure as e:  # a variant that breaks the protocol: report it, time the others
@@ -77,7 +82,7 @@ def main():
             print(json.dumps(dict(variant=variant, failed=str(e).splitlines()[-1])), flush=True)
             continue
         ok &= all(r[0] for r in res)
-        results[variant] = res[0][1]
+        results[variant if variant not in results else f"{variant}#{i}"] = res[0][1]
         for row in res[0][1]:
             print(json.dumps(dict(variant=variant, **row)), flush=True)
     os.makedirs(args.out, exist_ok=True)

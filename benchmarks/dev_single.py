@@ -70,7 +70,6 @@ def _patch_quantize(fn):
     epilogue.quantize = fn
 
 
-#: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
 def _patch_no_preload():
     from tpcomm.kernels import lamport, one_shot
     lamport.PRELOAD_EPILOGUE = one_shot.PRELOAD_EPILOGUE = tl.constexpr(False)
@@ -84,6 +83,7 @@ def _finish_acq_rel(state_ptr, epoch, num_programs):
         tl.atomic_xchg(state_ptr, epoch + 1, sem="release", scope="gpu")
 
 
+#: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
 VARIANTS = {
     "no_preload": _patch_no_preload,
     "acq_rel_finish": lambda: _patch_finish(_finish_acq_rel),

@@ -94,6 +94,7 @@ if __name__ == "__main__":
     p.add_argument("--out", default=".")
     a = p.parse_args()
     if a.device == "cuda":
+        os.makedirs(a.out, exist_ok=True)
         out = launch(body_cuda, 2, "cuda", args=(a.calls, a.out))
         for name in out[0]:
             print(f"{name:16s} " + "  ".join(f"rank {r}: issue {o[name][0]:6.1f} us, with GPU {o[name][1]:6.1f} us"

@@ -7,19 +7,26 @@
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
 W=$OUT/work; mkdir -p $W
+
+# Every GPU test file: four pytest processes at once (compiling dominates; 32 cores), each within $1
+# seconds, then the hygiene file alone within $2 (it counts this machine's /dev/shm files).
+all_gpu_tests() {
+    gpu_tests() { name=$1; limit=$2; shift 2
+        timeout $limit python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$@" --durations=5 > $W/$name.log 2>&1
+        echo "$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/$name.log | tail -8 >> $W/summary.txt; }
+    gpu_tests gpu $1 tests/test_gpu.py & gpu_tests collectives $1 tests/test_gpu_collectives.py &
+    gpu_tests fp8 $1 tests/test_gpu_fused_fp8.py tests/test_quant.py &
+    gpu_tests graphs $1 tests/test_gpu_graphs.py tests/test_gpu_bad_inputs.py &
+    wait
+    timeout $2 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_hygiene.py > $W/hygiene.log 2>&1
+    echo "hygiene rc=$?" >> $W/summary.txt; tail -1 $W/hygiene.log >> $W/summary.txt
+}
+
 case "$1" in
 tests)
-    # Four pytest processes at once (compiling dominates; 32 cores), then the hygiene file alone (it
-    # counts this machine's /dev/shm files), then decode timings of kernel variants in what time is left.
-    gpu_tests() { name=$1; shift
-        timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$@" --durations=5 > $W/$name.log 2>&1
-        echo "$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/$name.log | tail -8 >> $W/summary.txt; }
-    gpu_tests gpu tests/test_gpu.py & gpu_tests collectives tests/test_gpu_collectives.py &
-    gpu_tests fp8 tests/test_gpu_fused_fp8.py tests/test_quant.py & gpu_tests graphs tests/test_gpu_graphs.py tests/test_gpu_bad_inputs.py &
-    wait
-    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_hygiene.py > $W/hygiene.log 2>&1
-    echo "hygiene rc=$?" >> $W/summary.txt; tail -3 $W/hygiene.log >> $W/summary.txt
-    timeout ${DECODE_S:-100} python3 benchmarks/dev_decode.py --variants ${VARIANTS:-base,tree_sum} --out $W > $W/dev_decode.log 2>&1
+    # Every GPU test file, then decode timings of kernel variants in what time is left.
+    all_gpu_tests 330 90
+    timeout ${DECODE_S:-100} python3 benchmarks/dev_decode.py --variants ${VARIANTS:-base,tl_sum} --out $W > $W/dev_decode.log 2>&1
     echo "decode rc=$?" >> $W/summary.txt ;;
 sweep)
     timeout 240 python3 -m tpcomm soak --steps 10000 --device cuda --seed 0 > $W/soak10000.log 2>&1
@@ -31,21 +38,14 @@ sweep)
     echo "bench rc=$?" | tee -a $W/summary.txt ;;
 decode)
     # Short: the decode-relevant bench (fused, FP8, all-reduce at hidden 6144 and 7168, graph mode, every
-    # contender), then every GPU test file in the time left (needs carry [".whl"]).
+    # contender), then every GPU test file (needs carry [".whl"]).
     site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
     mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"
     PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 \
         timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144,7168 --dtype bf16 \
         --modes graph --json $W/bench-decode-2xH200.json > $W/bench-decode-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt
-    gpu_tests() { name=$1; shift
-        timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$@" --durations=5 > $W/$name.log 2>&1
-        echo "$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/$name.log | tail -8 >> $W/summary.txt; }
-    gpu_tests gpu tests/test_gpu.py & gpu_tests collectives tests/test_gpu_collectives.py &
-    gpu_tests fp8 tests/test_gpu_fused_fp8.py tests/test_quant.py & gpu_tests graphs tests/test_gpu_graphs.py tests/test_gpu_bad_inputs.py &
-    wait
-    timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_hygiene.py > $W/hygiene.log 2>&1
-    echo "hygiene rc=$?" >> $W/summary.txt; tail -1 $W/hygiene.log >> $W/summary.txt ;;
+    all_gpu_tests 220 40 ;;
 *)
     echo "usage: bash benchmarks/session_2xh200.sh tests|sweep|decode"; exit 2 ;;
 esac

@@ -109,7 +109,6 @@ def test_collective_references(pool, dtype):
     check.done()
 
 
-
 def _wide_rows() -> torch.Tensor:
     """Rows of squares with everything a sum of squares must survive: a range of 2^240, subnormals,
     zeros, float32's largest values, Inf and NaN."""

@@ -201,10 +201,11 @@ def finish_program(state_ptr, epoch, num_programs):
 
     Relaxed atomics are enough: the counter's atomicity makes exactly one program the last, every
     program read the epoch (and used it) before its increment, and the next launch on the stream sees
-    both writes at the kernel boundary. Release semantics here made the one thread that counts wait for
-    its pushed NVLink stores to be acknowledged: on 2 H200s a Lamport fused call of 1 x 6144 bf16 took
-    8.7 µs with ``acq_rel`` and 6.4 µs relaxed, all-reduce 6.9 and 4.3 µs (``benchmarks/dev_decode.py``,
-    docs/benchmarks.md)."""
+    both writes at the kernel boundary. (The safety rests on those dependencies and on stream order, not
+    on the PTX ordering of the atomics.) Release semantics cost a fence before the count, probably one
+    that waits for the program's pushed NVLink stores: in one run on 2 H200s a Lamport fused call of
+    1 x 6144 bf16 took 8.7 µs with ``acq_rel`` and 6.4 µs relaxed, all-reduce 6.9 and 4.3 µs
+    (``benchmarks/dev_decode.py``; that harness was noisy then, docs/benchmarks.md)."""
     done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")
     if done == num_programs - 1:
         tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
