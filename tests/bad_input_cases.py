@@ -365,6 +365,17 @@ def _(k):
     return fails
 
 
+@case("fused FP8 per token H = 0 (4, 0)")
+def _(k):
+    x = torch.empty(4, 0, dtype=torch.bfloat16, device=k.device)
+    q, scales, _, _ = k.comm().fused_add_rmsnorm(x, None, torch.empty(0, dtype=torch.bfloat16, device=k.device),
+                                                 quant="fp8_per_token")
+    fails = [] if tuple(q.shape) == (4, 0) else [f"q: {tuple(q.shape)}"]
+    if not torch.equal(scales, torch.ones(4, 1, device=k.device)):  # amax of no element is 0: scale 1
+        fails.append(f"scales of empty rows: {scales.flatten().tolist()}, expected 1")
+    return fails
+
+
 @case("all_reduce H = 0 (4, 0)")
 def _(k):
     y = k.comm().all_reduce(torch.empty(4, 0, dtype=torch.float32, device=k.device))
@@ -825,6 +836,7 @@ GATHERED = "the all-gather kernel moves every rank's integers, summed exactly in
 BYTES = "the all-gather kernel copies the bytes"
 NARROW = "rows under 16 elements: the all-gather kernel, then the rank-order sum"
 EMPTY = "empty outputs of the right shapes, no communication"
+EMPTY_SCALES_1 = "empty outputs, scales 1 (the amax of no element is 0), no communication"
 
 
 def result(launches: int | None, how: str | None = None) -> dict:
@@ -855,6 +867,7 @@ EXPECTED: dict[str, dict] = {
     "fused zero tokens (0, H)": result(0, EMPTY),
     "all_reduce zero tokens (0, H), out in a guarded buffer": result(0, EMPTY),
     "fused H = 0 (4, 0)": result(0, EMPTY),
+    "fused FP8 per token H = 0 (4, 0)": result(0, EMPTY_SCALES_1),
     "all_reduce H = 0 (4, 0)": result(0, EMPTY),
     "fused 3-D (B, S, H)": result(1),
     "all_reduce 3-D (B, S, H), out in a guarded buffer": result(1),
@@ -917,7 +930,7 @@ def describe(outcome: dict) -> str:
         return f"`{outcome['type']}` naming `{outcome['arg']}`"
     n = outcome["launches"]
     if n == 0:
-        return EMPTY if outcome["how"] == EMPTY else f"right result {outcome['how']}"
+        return outcome["how"] if outcome["how"] in (EMPTY, EMPTY_SCALES_1) else f"right result {outcome['how']}"
     if n is None:
         return "right result through a kernel"
     return f"right result through a kernel ({n} launch{'es' if n > 1 else ''})"

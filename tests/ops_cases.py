@@ -326,13 +326,13 @@ def registry_case(ctx):
     return result
 
 
-def warmup_case(ctx, shapes):
-    """``tpcomm.graphs.warmup`` on a fresh communicator: the calls it made, and whether each later
-    call of the same signatures (new tensors, through the ops) counts as warmed, while another shape
-    does not. ``capture_guard`` on CPU: entered and left (no capture), refusing a closed communicator.
-    Returns a dict."""
+def warmup_case(ctx, shapes, ops=None):
+    """``tpcomm.graphs.warmup`` on a fresh communicator (its default ops, or ``ops``): the calls it made,
+    and whether each later call of the same signatures (new tensors, through the ops) counts as warmed,
+    while another shape does not. ``capture_guard`` on CPU: entered and left (no capture), refusing a
+    closed communicator. Returns a dict."""
     comm = tpcomm.Communicator()
-    calls = tgraphs.warmup(comm, shapes, dtypes=(torch.bfloat16,))
+    calls = tgraphs.warmup(comm, shapes, dtypes=(torch.bfloat16,), **({"ops": ops} if ops else {}))
     warmed = tgraphs.warmed(comm)
     sig = lambda op, *ts: (op,) + tuple((tuple(t.shape), t.dtype, True) if t is not None else None for t in ts)  # noqa: E731
     x = torch.zeros(shapes[0], dtype=torch.bfloat16)

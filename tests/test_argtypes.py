@@ -49,3 +49,25 @@ def test_lists_drop_repeats_and_world_lists_need_two_ranks(capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["bench", "--world", "1"])
     assert e.value.code == 2 and "--world" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["demo", "soak", "bench", "tune"])
+@pytest.mark.parametrize("variable,value", [("TPCOMM_ALGO", "bogus"), ("TPCOMM_TIMEOUT_S", "abc"),
+                                            ("TPCOMM_DISPATCH_TABLE", "/nonexistent/table.json")])
+def test_a_bad_environment_variable_is_one_line_before_any_rank_starts(command, variable, value, monkeypatch,
+                                                                        capsys):
+    """A bad ``TPCOMM_*`` value ends a command that starts ranks with exit 2 and one line naming it, instead
+    of a traceback from every rank (``tpcomm check`` reports it as INVALID)."""
+    from tpcomm.cli import main
+    monkeypatch.setenv(variable, value)
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tpcomm {command}: {variable}=") and len(err.strip().splitlines()) == 1, err
+
+
+def test_empty_environment_variables_count_as_unset(monkeypatch):
+    from tpcomm.env import read_env
+    monkeypatch.setenv("TPCOMM_ALGO", "")
+    monkeypatch.setenv("TPCOMM_TIMEOUT_S", "")
+    cfg = read_env()
+    assert cfg.algo == "auto" and cfg.timeout_s == 30.0

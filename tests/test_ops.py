@@ -147,3 +147,12 @@ def test_warmup_records_signatures_and_guard_on_cpu(pool2):
         assert got["seen"] == {"all_reduce": True, "fused": True, "fused_no_res": True, "other_shape": False}
         assert got["guard"] and got["inside"]
         assert got["closed"][0] == "ValueError" and "closed" in got["closed"][1]
+
+
+def test_warmup_covers_every_op(pool2):
+    """Every op of tpcomm.ops can be warmed up, the FP8 forms and the gathers included: one call and one
+    recorded signature each."""
+    results = pool2.run(ops_cases.warmup_case, [(2, 128)], tgraphs.WARMUP_OPS)
+    for got in results:
+        n = len(tgraphs.WARMUP_OPS)
+        assert got["calls"] == n and got["count"] == n, got

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tpcomm`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command != "check":  # `check` reports a bad variable itself; the others would fail in every rank
+        problem = _environment_problem()
+        if problem:
+            print(f"tpcomm {args.command}: {problem} (see `tpcomm check`)", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from . import demo
 
@@ -104,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_tune(args)
     raise AssertionError(args.command)  # argparse refuses other commands
+
+
+def _environment_problem() -> str | None:
+    """What is wrong with the ``TPCOMM_*`` variables (:func:`tpcomm.env.read_env`, the dispatch table
+    file), or None."""
+    from . import dispatch, env
+
+    try:
+        cfg = env.read_env()
+        if cfg.table:
+            dispatch.load_table(cfg.table)
+    except ValueError as e:
+        return str(e)
+    except OSError as e:
+        return f"TPCOMM_DISPATCH_TABLE={cfg.table!r}: {e}"
+    return None
 
 
 # -- check --------------------------------------------------------------------------------------------

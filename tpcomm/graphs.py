@@ -159,6 +159,12 @@ def capture_guard(*comms):
         comm.check("capture_guard")
 
 
+#: What :func:`warmup` can run: the ops of :mod:`tpcomm.ops` (the FP8 forms with their defaults:
+#: e4m3fn, group size 128, row-major scales).
+WARMUP_OPS = ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm", "fused_add_rmsnorm_fp8_per_token",
+              "fused_add_rmsnorm_fp8_per_group", "all_gather", "reduce_scatter")
+
+
 def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
            ops: Iterable[str] = ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm"),
            weight_dtype: torch.dtype | None = None, gemma: bool = False) -> int:
@@ -170,10 +176,15 @@ def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] 
 
     Args:
         comm: the :class:`tpcomm.Communicator`.
-        shapes: ``(T, H)`` shapes (any shape for ``all_reduce``; ``(..., H)`` for the fused ops).
+        shapes: ``(T, H)`` shapes (any shape for ``all_reduce``; ``(..., H)`` for the fused ops; gathers
+            and scatters along dim 0).
         dtypes: activation dtypes (default bf16).
-        ops: any of ``"all_reduce"``, ``"fused_add_rmsnorm"`` (with a residual) and ``"fused_rmsnorm"``
-            (without one).
+        ops: any of :data:`WARMUP_OPS`: ``"all_reduce"``, ``"fused_add_rmsnorm"`` (with a residual),
+            ``"fused_rmsnorm"`` (without one), ``"fused_add_rmsnorm_fp8_per_token"`` and
+            ``"fused_add_rmsnorm_fp8_per_group"`` (with a residual; e4m3fn, group size 128: H must be a
+            multiple of 128), ``"all_gather"``, ``"reduce_scatter"``. Other FP8 arguments
+            (``fp8_dtype``, ``column_major_scales``, ``emit_unquantized``) compile other kernels: warm
+            those calls up by making them once.
         weight_dtype: dtype of the norm weight (default: the activation dtype).
         gemma: warm up the Gemma form of the fused ops instead (its kernels differ).
     Returns:
@@ -185,9 +196,9 @@ def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] 
     from . import ops as tops
 
     ops = tuple(ops)
-    bad = [o for o in ops if o not in ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm")]
+    bad = [o for o in ops if o not in WARMUP_OPS]
     if bad:
-        raise ValueError(f"warmup: unknown ops {bad}; expected all_reduce, fused_add_rmsnorm, fused_rmsnorm")
+        raise ValueError(f"warmup: unknown ops {bad}; expected some of {', '.join(WARMUP_OPS)}")
     calls = 0
     for shape in shapes:
         shape = tuple(int(s) for s in shape)
@@ -199,6 +210,12 @@ def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] 
             for op in ops:
                 if op == "all_reduce":
                     tops.all_reduce(comm, x)
+                elif op == "all_gather":
+                    tops.all_gather(comm, x)
+                elif op == "reduce_scatter":
+                    tops.reduce_scatter(comm, x)
+                elif op.startswith("fused_add_rmsnorm_fp8_"):
+                    tops.fused_add_rmsnorm(comm, x, x, w, gemma=gemma, quant=op[len("fused_add_rmsnorm_"):])
                 else:
                     tops.fused_add_rmsnorm(comm, x, x if op == "fused_add_rmsnorm" else None, w, gemma=gemma)
                 calls += 1
