@@ -470,6 +470,13 @@ def _(k):
     return ["no exception"]
 
 
+@case("all_reduce out with overlapping strides (1, 1)")
+def _(k):
+    x = torch.ones(4, 4, dtype=torch.bfloat16, device=k.device)
+    k.comm().all_reduce(x, out=torch.zeros(8, dtype=x.dtype, device=k.device).as_strided((4, 4), (1, 1)))
+    return ["no exception"]
+
+
 # layouts -------------------------------------------------------------------------------------------------------
 # Inputs are read by each kernel's own push code (so each layout runs under both algorithms); outputs are
 # written by the shared epilogue (kernels/epilogue.py), so output layouts run under the default dispatch.
@@ -881,6 +888,7 @@ EXPECTED: dict[str, dict] = {
     "all_reduce out of another shape": raises(ValueError, "out", AR),
     "all_reduce out of another dtype": raises(ValueError, "out", AR),
     "all_reduce out with a stride of 0 (expand)": raises(ValueError, "out", AR),
+    "all_reduce out with overlapping strides (1, 1)": raises(ValueError, "out", AR),
     **{name: result(1) for name in CASES if "[lamport]" in name or "[one_shot]" in name
        if "x[" in name or "x.t()" in name},
     "fused expanded x (stride 0)": result(1),

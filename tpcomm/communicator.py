@@ -39,6 +39,18 @@ MAX_INDEXED_ELEMS = (1 << 31) - 1
 MIN_SCATTER_ROW = 16
 
 
+
+def _strides_may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: True unless, with the dimensions of more than one
+    element sorted by stride, each stride exceeds the largest offset the smaller ones reach (a sufficient
+    test; it also flags a stride of 0, e.g. from ``expand()``)."""
+    reach = 0
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
 class Communicator:
     """Tensor-parallel collectives for one process group, on the GPUs of one node or on CPU ranks.
 
@@ -193,7 +205,7 @@ class Communicator:
         Raises:
             TypeError: ``x`` is not a tensor, or its dtype has no sum (bool, FP8, complex).
             ValueError: ``x`` or ``out`` is on another device, ``out`` does not match ``x``, or ``out``'s
-                elements overlap (a stride of 0).
+                strides let two elements share memory (a stride of 0, or e.g. strides ``(1, 1)``).
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call);
                 :class:`PeerMismatchError` when it made a different call.
         """
@@ -208,7 +220,7 @@ class Communicator:
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError(f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype} but x has "
                                  f"{tuple(x.shape)} and {x.dtype}")
-            if torch._debug_has_internal_overlap(out) == 1:  # 1: overlap for sure (e.g. a stride of 0)
+            if _strides_may_overlap(out):
                 raise ValueError(f"{op}: out has elements that share memory (stride {tuple(out.stride())}, "
                                  "e.g. from expand()); pass a tensor whose elements are distinct")
         if x.numel() == 0:
