@@ -58,7 +58,7 @@ BIT_CASES = [
 #: Outputs whose bits are exact for every algorithm, the fallback (torch.distributed) included.
 EXACT_OUTPUTS = ("s", "residual_out", "residual_out_gemma")
 #: Outputs of the norm: identical for the kernels; the fallback's mean is summed in another order
-#: (DESIGN.md, contract item 3), so it may differ by the dtype's ulp tolerance.
+#: (docs/numerics.md, item 3), so it may differ by the dtype's ulp tolerance.
 NORM_OUTPUTS = ("out", "out_no_residual", "out_gemma")
 #: The FP8 per-token output of the kernels (the fallback quantises its own ``out``).
 FP8_OUTPUTS = ("fp8_bytes", "fp8_scales")

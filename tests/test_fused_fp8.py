@@ -1,4 +1,4 @@
-"""Fused FP8 output of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (issue 4; DESIGN.md numerics
+"""Fused FP8 output of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (issue 4; docs/numerics.md numerics
 contract item 4) on CPU ranks (world sizes 2 and 3, Triton's interpreter).
 
 For every case: the FP8 bytes and the scale bits equal the standalone Triton quant (``tpcomm.quant``) and

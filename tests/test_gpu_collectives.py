@@ -151,7 +151,7 @@ def test_gather_and_scatter_in_cuda_graphs(parts):
 
 
 def test_fallback_norm_is_batch_invariant(parts):
-    """DESIGN.md contract item 1: the number of rows never changes a row's result, for every algorithm:
+    """docs/numerics.md item 1: the number of rows never changes a row's result, for every algorithm:
     the fallback's out, out_no_residual and out_gemma of the first 1, 3 and 1000 rows alone equal those
     rows of the 4096-row call."""
     check = Checks()

@@ -1,5 +1,5 @@
 """Numerics of the one-shot kernels (``kernels/one_shot.py`` push and ``kernels/lamport.py``, which share
-``kernels/epilogue.py``) against the contract of DESIGN.md, on CPU ranks under Triton's interpreter.
+``kernels/epilogue.py``) against the contract of docs/numerics.md, on CPU ranks under Triton's interpreter.
 
 Each case forces one algorithm (``TPCOMM_ALGO`` while the communicator is created) and checks:
 ``s`` (all_reduce) and ``residual_out`` bit-exact against ``reduce_in_rank_order`` +

@@ -62,13 +62,14 @@ class Communicator:
         comm.all_reduce(x)                        == torch.distributed.all_reduce(x.clone())
         comm.fused_add_rmsnorm(x, r, w, eps)      == rms_norm(all_reduce(x) + r, w, eps), all_reduce(x) + r
 
-    but with the numerics contract of DESIGN.md: float32 accumulation in rank order, identical bits on
+    but with the numerics contract (docs/numerics.md): float32 accumulation in rank order, identical bits on
     every rank, for every algorithm and number of rows.
 
     Args:
         group: a ``torch.distributed`` process group (default: the world). An NCCL group runs the CUDA
             kernels on the current CUDA device; a gloo group runs the same kernels under Triton's CPU
-            interpreter (``TRITON_INTERPRET=1`` must be set before tpcomm is imported).
+            interpreter (``TRITON_INTERPRET=1``, which importing tpcomm sets on a machine without CUDA; on
+            a machine with CUDA, set it before tpcomm and Triton are imported).
         max_bytes: bytes of one rank's message that one launch carries (default 32 MiB on CUDA, 1 MiB on
             CPU). Larger messages run in chunks of whole rows through the same kernels: no size limit.
         timeout_s: seconds a kernel waits for a peer before giving up (default ``TPCOMM_TIMEOUT_S`` or 30).
@@ -250,18 +251,19 @@ class Communicator:
 
         Plain torch: ``s = all_reduce(x); residual_out = s + residual;
         out = residual_out * rsqrt(mean(residual_out^2) + eps) * w`` (``w`` replaced by ``1 + w`` when
-        ``gemma``), with the numerics contract of DESIGN.md.
+        ``gemma``), with the numerics contract (docs/numerics.md).
 
         Collective: every rank calls it with the same shapes, dtypes, ``eps`` and ``gemma``.
 
         Args:
             x: ``(T, H)`` (or ``(..., H)``: leading dims are flattened), bf16 / fp16 / fp32, this device.
             residual: like ``x`` (same shape and dtype), or None for the no-residual form.
-            weight: ``(H,)`` norm weight, float dtype (the input's or float32).
+            weight: ``(H,)`` norm weight, any float dtype (used as ``f32(w)``; typically the input's or
+                float32).
             eps: >= 0, added to the mean square.
             gemma: use ``1 + w`` (Gemma-style norms).
             quant: None, ``"fp8_per_token"`` or ``"fp8_per_group"``: also quantise ``out`` to FP8 in the
-                same kernel (DESIGN.md item 4): ``scale = amax / MAX`` over the row (or group) of the
+                same kernel (docs/numerics.md item 4): ``scale = amax / MAX`` over the row (or group) of the
                 rounded ``out`` (1 where that is 0), ``q = fp8(out / scale)`` saturated to +-MAX; the
                 bytes and scales equal :func:`tpcomm.quant.per_token_quant_fp8` /
                 :func:`~tpcomm.quant.per_group_quant_fp8` applied to the unquantised ``out``.

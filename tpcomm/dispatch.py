@@ -45,7 +45,7 @@ ALL_REDUCE_ROW = 4096
 class RowConfig:
     """How a row of ``hidden`` elements is tiled. Depends on ``hidden`` alone (not on the rank, the
     algorithm or the number of rows), which keeps the norm's reduction tree, and so every output bit,
-    the same for every call (batch invariance, DESIGN.md).
+    the same for every call (batch invariance, docs/numerics.md item 1).
 
     Attributes:
         block_h: tile width (a power of two, >= 16).

@@ -1,5 +1,5 @@
 """The FP8 outputs of ``Communicator.fused_add_rmsnorm(..., quant=...)``: validation, allocation, the
-kernels' view of them, and the fallback's fill (DESIGN.md, numerics contract item 4)."""
+kernels' view of them, and the fallback's fill (docs/numerics.md, item 4)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     if quant == "fp8_per_token":
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to quant='fp8_per_group' only")
-        # rows of no elements launch nothing: their amax is 0, so their scale is 1 (DESIGN.md item 4)
+        # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
         scales = (torch.ones if H == 0 else torch.empty)((*lead, 1), dtype=torch.float32, device=x.device)
         return Fp8Outputs(q, scales, quant, fp8_dtype, 1, False)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE \

@@ -281,7 +281,8 @@ def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
     Args:
         comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
-        x: any shape; bf16 / fp16 / fp32 (kernels) or an integer dtype (``torch.distributed``).
+        x: any shape; bf16 / fp16 / fp32, or an integer dtype (as ``Communicator.all_reduce``: gathered
+            by the all-gather kernel and summed exactly).
         out: optional output of ``x``'s shape and dtype; may be ``x`` itself (in place).
     Returns:
         ``out``, or a new contiguous tensor shaped like ``x``.

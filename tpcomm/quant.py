@@ -1,7 +1,7 @@
 """Standalone FP8 quantisation of activations: per-token and per-group (Triton).
 
 The unfused path of the quantised epilogues (issue 4) and what their bytes are checked
-against; the numerics are DESIGN.md's contract item 4, written out in :mod:`tpcomm.kernels.quant`.
+against; the numerics are docs/numerics.md item 4, written out in :mod:`tpcomm.kernels.quant`.
 ``tpcomm.reference`` has the same functions in plain torch (``per_token_quant_reference``,
 ``per_group_quant_reference``), the oracle of the tests.
 
@@ -69,7 +69,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def per_token_quant_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise each row of ``x`` to FP8 with one float32 scale per row (DESIGN.md contract item 4).
+    """Quantise each row of ``x`` to FP8 with one float32 scale per row (docs/numerics.md item 4).
 
     ``scale = amax / MAX`` (1 where that is 0; ``MAX`` 448 for e4m3fn, 240 for e4m3fnuz) and
     ``q = fp8(f32(x) / scale)``, the division correctly rounded, saturated to ``[-MAX, MAX]``,

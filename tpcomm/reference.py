@@ -1,6 +1,6 @@
 """The unfused torch path: the fallback of every op and the oracle of the tests.
 
-It follows the numerics contract of DESIGN.md exactly, in the kernels' order of operations, so the
+It follows the numerics contract (docs/numerics.md) exactly, in the kernels' order of operations, so the
 fallback returns the same bits as the kernels, ``out`` included:
 
     s = T(acc), acc = +0.0 + f32(x_0) + f32(x_1) + ... + f32(x_{W-1})   (rank order)

@@ -4,7 +4,7 @@ Every algorithm calls these same functions with the same ``BLOCK_H`` and ``num_w
 from the hidden size alone, :func:`tpcomm.dispatch.row_config`), so the reduction trees, and thus the
 bits of every output, do not depend on the algorithm, the grid, the rank or the number of rows.
 
-Numerics (DESIGN.md, "The numerics contract"):
+Numerics (docs/numerics.md):
   s = T(sum_r f32(x_r)) in rank order starting from +0.0;
   residual_out = T(f32(s) + f32(residual));
   out = T(f32(residual_out) * 1/sqrt(mean(f32(residual_out)^2) + eps) * w'), w' = f32(w) or 1 + f32(w).
@@ -160,7 +160,7 @@ def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, w_pre, GEMMA: tl.constexpr
 def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, H,
                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, SRC16: tl.constexpr):
     """Per-group FP8 of one tile of ``out`` (float32 ``o``): the tile holds whole groups (``GROUP``
-    divides ``BLOCK_H``), so bytes and scales are stored at once (DESIGN.md item 4, per group).
+    divides ``BLOCK_H``), so bytes and scales are stored at once (docs/numerics.md item 4, per group).
     ``SRC16``: ``out`` is 16-bit (``quant.divide`` may take its fast path)."""
     NG: tl.constexpr = o.shape[0] // GROUP
     sc = fp8_scale(group_amax(o, mask, GROUP), FP8)

@@ -3,7 +3,7 @@ kernels built from them.
 
 Problem: quantise rows of ``out`` (``(T, H)``, bf16/fp16/fp32) to FP8 with one float32 scale per row
 (per-token) or per ``GROUP`` consecutive elements of a row (per-group, DeepSeek's 1 x 128), as in
-DESIGN.md, numerics contract item 4. The fused all-reduce epilogues call the same helpers on the
+docs/numerics.md, item 4. The fused all-reduce epilogues call the same helpers on the
 float32 tile of ``out`` they hold (``T(y)`` widened back to float32), so their bytes and scales equal
 those of the standalone kernels here applied to the unquantised output.
 
@@ -18,7 +18,7 @@ Numerics, with ``MAX`` = 448 (e4m3fn, ``tl.float8e4nv``) or 240 (e4m3fnuz, ``tl.
           e4m3fnuz has no negative zero (-0.0, and negatives that round to 0, give 0x00). Results
           below the smallest normal are FP8 subnormals, rounded to nearest-even.
 So a NaN row gives scale NaN and every byte NaN; a row holding +-Inf gives scale Inf, q = NaN at the
-infinities (Inf / Inf) and 0 elsewhere (IEEE arithmetic, DESIGN.md item 5).
+infinities (Inf / Inf) and 0 elsewhere (IEEE arithmetic, docs/numerics.md item 5).
 
 Why not a plain ``.to(tl.float8e4nv)``: Triton's interpreter (3.9) converts float32 to FP8 wrongly
 (ties round up, a mantissa carry drops the exponent: 1.9375 -> 1.0, Inf -> 0x78, NaN -> 0x7C, out of
