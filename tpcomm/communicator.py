@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import socket
 import threading
 import weakref
@@ -307,8 +308,8 @@ class Communicator:
                              f"x's last dimension")
         if not weight.is_floating_point():
             raise TypeError(f"{op}: weight has dtype {weight.dtype}; expected a float dtype")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-            raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # numpy scalars included
+            raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
         eps = float(eps)
         if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
             raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
