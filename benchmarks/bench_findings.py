@@ -17,7 +17,8 @@ def median(row, name):
 
 def rivals(doc):
     """Contenders from other libraries (not tpcomm's own, not the no-communication references)."""
-    return [n for n, c in doc["contenders"].items() if c["library"] not in ("tpcomm", "reference") and not c["reference"]]
+    return [n for n, c in doc["contenders"].items()
+            if c["library"] not in ("tpcomm", "reference") and not c["reference"]]
 
 
 def not_fastest(doc):

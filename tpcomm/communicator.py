@@ -40,7 +40,6 @@ MAX_INDEXED_ELEMS = (1 << 31) - 1
 MIN_SCATTER_ROW = 16
 
 
-
 def _strides_may_overlap(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory: True unless, with the dimensions of more than one
     element sorted by stride, each stride exceeds the largest offset the smaller ones reach (a sufficient
@@ -51,6 +50,7 @@ def _strides_may_overlap(t: torch.Tensor) -> bool:
             return True
         reach += stride * (size - 1)
     return False
+
 
 class Communicator:
     """Tensor-parallel collectives for one process group, on the GPUs of one node or on CPU ranks.
