@@ -463,7 +463,7 @@ def format_table(rows: list[Row]) -> str:
         err = f"{int(r.error)} ulp" if r.error_unit == "ulp" else f"{r.error:.1e} rel"
         body.append([r.op, r.shape, r.dtype, r.algorithm, err, yes(r.residual_exact), yes(r.ranks_identical),
                      "-" if r.time_us is None else f"{r.time_us:.1f}", "ok" if r.ok else "FAIL"])
-    headers = ["op", "shape (T x H)", "dtype", "algorithm", "max error", "bit-exact residual",
+    headers = ["op", "shape (T x H)", "dtype", "algorithm", "max error", "bit-exact sum / residual_out",
                "same bits on all ranks", "µs/call", "check"]
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 

@@ -224,7 +224,7 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
     if world_size < 2:
         return Plan("fallback", "a group of one rank needs no communication")
     if forced == "fallback":
-        return Plan("fallback", "TPCOMM_ALGO=fallback")
+        return Plan("fallback", "forced (TPCOMM_ALGO or use_algorithm): fallback")
     if op == "all_gather":
         return Plan("push", "the only all-gather kernel (a copy: any dtype, moved as bytes)")
     if dtype not in KERNEL_DTYPES:
@@ -233,13 +233,14 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
         return Plan("two_shot", "the only reduce-scatter kernel (two-shot's first half)")
     lamport_ok = dtype in (torch.bfloat16, torch.float16)
     if forced in ("one_shot", "two_shot"):
-        return Plan(forced, f"TPCOMM_ALGO={forced}")
+        return Plan(forced, f"forced (TPCOMM_ALGO or use_algorithm): {forced}")
     if forced == "lamport":
-        return Plan("lamport", "TPCOMM_ALGO=lamport") if lamport_ok else \
-            Plan("one_shot", "TPCOMM_ALGO=lamport, but Lamport needs a 16-bit dtype")
+        return Plan("lamport", "forced (TPCOMM_ALGO or use_algorithm): lamport") if lamport_ok else \
+            Plan("one_shot", "lamport forced (TPCOMM_ALGO or use_algorithm), but Lamport needs 16 bits")
     cross = (table or DEFAULT_TABLE).lookup(op, world_size)
+    source = cross.source or "a crossover table that names no source"
     if lamport_ok and nbytes <= min(cross.lamport_max_bytes, LAMPORT_MAX_BYTES):
-        return Plan("lamport", f"16-bit message of at most {cross.lamport_max_bytes} bytes ({cross.source})")
+        return Plan("lamport", f"16-bit message of at most {cross.lamport_max_bytes} bytes ({source})")
     if nbytes >= cross.two_shot_min_bytes:
-        return Plan("two_shot", f"message of at least {cross.two_shot_min_bytes} bytes ({cross.source})")
-    return Plan("one_shot", f"message under {cross.two_shot_min_bytes} bytes ({cross.source})")
+        return Plan("two_shot", f"message of at least {cross.two_shot_min_bytes} bytes ({source})")
+    return Plan("one_shot", f"message under {cross.two_shot_min_bytes} bytes ({source})")

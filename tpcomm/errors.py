@@ -43,7 +43,8 @@ class PeerMismatchError(PeerTimeoutError):
         self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
         TpcommError.__init__(
             self,
-            f"{op}: rank {peer} made a different call at epoch {epoch} (another op, shape, dtype or "
-            f"algorithm; seen by rank {rank}, program {program}). Every rank must make the same calls in "
-            "the same order. This communicator is unusable now; create a new one."
+            f"{op}: rank {peer} made a different call at epoch {epoch} (another op, shape, dim, dtype, "
+            f"eps, gemma, residual, quant mode or algorithm; seen by rank {rank}, program {program}). Every "
+            "rank must make the same calls in the same order. This communicator is unusable now; create a "
+            "new one."
         )

@@ -150,16 +150,21 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
     finally:
-        for p in procs:
+        ends = {}  # rank -> how its process ended, for the error message
+        for r, p in enumerate(procs):
             p.join(timeout=5 if len(out) == world_size else 0.1)
             if p.is_alive():
                 p.kill()
                 p.join()
+                ends[r] = f"still running after {timeout_s:g} s: killed"
+            else:
+                ends[r] = f"exit code {p.exitcode}"
     failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(out.items()) if not ok]
     missing = [r for r in range(world_size) if r not in out]
     if failures or missing:
         msg = "\n".join(failures)
         if missing:
-            msg += f"\nranks {missing} did not finish (crashed or ran past {timeout_s:g} s)"
+            msg += f"\nranks {missing} did not finish (crashed or ran past {timeout_s:g} s): " + \
+                "; ".join(f"rank {r} {ends[r]}" for r in missing)
         raise RankFailure(msg)
     return [pickle.loads(out[r][1]) for r in range(world_size)]
