@@ -181,7 +181,6 @@ BAD = {
     "group_zero": ("group_size", ["0"]),
     "group_float": ("group_size", ["32.0"]),
     "column_major_per_token": ("column_major_scales", ["fp8_per_group"]),
-    "group_size_per_token": ("group_size", ["fp8_per_group", "32"]),
     "column_major_3d": ("column_major_scales", ["(2, 2, 96)"]),
     "emit_without_quant": ("emit_unquantized", ["quant"]),
     "column_major_without_quant": ("column_major_scales", ["quant"]),

@@ -88,9 +88,9 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
 
     Raises:
         ValueError: ``quant`` or ``fp8_dtype`` is not a supported choice, ``group_size`` is not a power
-            of two in [1, 8192] or does not divide H (the message names both numbers), a ``group_size``
-            other than the default or ``column_major_scales`` is given for per-token scales, or
-            ``column_major_scales`` for a non-2-D ``x``.
+            of two in [1, 8192] or does not divide H (the message names both numbers), or
+            ``column_major_scales`` is asked for per-token scales or a non-2-D ``x``. (``group_size`` is
+            not read for per-token scales.)
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"{op}: quant must be None or one of {QUANT_MODES}, got {quant!r}")
@@ -100,9 +100,6 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     lead = x.shape[:-1]
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if quant == "fp8_per_token":
-        if group_size != DEFAULT_GROUP_SIZE:
-            raise ValueError(f"{op}: group_size applies to quant='fp8_per_group' only, got group_size={group_size!r} "
-                             "with quant='fp8_per_token'")
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to quant='fp8_per_group' only")
         # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
