@@ -22,6 +22,14 @@ all_gpu_tests() {
     echo "hygiene rc=$?" >> $W/summary.txt; tail -1 $W/hygiene.log >> $W/summary.txt
 }
 
+# Run "$@" with FlashInfer importable: its wheels and AOT modules from .whl/ (carry [".whl"]; see
+# docs/benchmarks.md "FlashInfer on the GPU machine") installed into a temporary site.
+with_flashinfer() {
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+    mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"
+    PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 "$@"
+}
+
 case "$1" in
 tests)
     # Every GPU test file, then decode timings of kernel variants in what time is left.
@@ -31,18 +39,12 @@ tests)
 sweep)
     timeout 240 python3 -m tpcomm soak --steps 10000 --device cuda --seed 0 > $W/soak10000.log 2>&1
     echo "soak rc=$?" | tee -a $W/summary.txt; tail -8 $W/soak10000.log >> $W/summary.txt
-    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
-    mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"
-    PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 \
-        timeout 330 python3 -m tpcomm bench --json $W/bench-2xH200.json > $W/bench-2xH200.log 2>&1
+    with_flashinfer timeout 330 python3 -m tpcomm bench --json $W/bench-2xH200.json > $W/bench-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt ;;
 decode)
     # Short: the decode-relevant bench (fused, FP8, all-reduce at hidden 6144 and 7168, graph mode, every
     # contender), then every GPU test file (needs carry [".whl"]).
-    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
-    mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"
-    PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 \
-        timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144,7168 --dtype bf16 \
+    with_flashinfer timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144,7168 --dtype bf16 \
         --modes graph --json $W/bench-decode-2xH200.json > $W/bench-decode-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt
     all_gpu_tests 220 40 ;;

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 from tpcomm.env import interpreter_enabled
 from tpcomm.kernels.epilogue import tree_sum as kernel_tree_sum
+from tpcomm.reference import pairwise_sum
 from numerics import (Checks, FLOAT_DTYPES, assert_same_bits, assert_within_ulp, bits, dtype_name,
                       residual_input, weight_input)
 
@@ -132,13 +133,11 @@ def _tree_sum_rows_kernel(x_ptr, out_ptr, N: tl.constexpr):
 
 def test_tree_sum_kernel_adds_by_pairs_like_the_reference():
     """``epilogue.tree_sum`` (the kernels' sum of squares, here under Triton's interpreter) adds by pairs,
-    ``((l0 + l1) + (l2 + l3)) + ...``, as :func:`tpcomm.reference.sum_of_squares` does."""
+    ``((l0 + l1) + (l2 + l3)) + ...``, as :func:`tpcomm.reference.pairwise_sum` (``sum_of_squares``'s last
+    step) does."""
     if not interpreter_enabled():
         pytest.skip("runs under Triton's interpreter (the GPU tests check the kernels' norms)")
     x = _wide_rows()
     out = torch.empty(x.shape[0])
     _tree_sum_rows_kernel[(x.shape[0],)](x, out, N=x.shape[1])
-    expected = x
-    while expected.shape[-1] > 1:
-        expected = expected[..., 0::2] + expected[..., 1::2]
-    assert_same_bits(out.unsqueeze(-1), expected, "kernel sum of squares")
+    assert_same_bits(out.unsqueeze(-1), pairwise_sum(x), "kernel sum of squares")

@@ -119,8 +119,7 @@ def _group_of(comm) -> tuple[int, int, int]:
     ("UserDefinedObjectVariable(Communicator) is not a constant", 2 H200s)."""
     if _is_handle(comm):
         return _group_of_handle(comm)
-    register(comm)  # the type check
-    return comm.handle, comm.rank, comm.world_size
+    return register(comm), comm.rank, comm.world_size
 
 
 def handle_of(comm) -> int:

@@ -58,9 +58,15 @@ def sum_of_squares(v: torch.Tensor) -> torch.Tensor:
     for t in range(cfg.num_tiles):
         sq = tiles[..., t, :]
         acc = acc + sq * sq
-    while acc.shape[-1] > 1:
-        acc = acc[..., 0::2] + acc[..., 1::2]
-    return acc
+    return pairwise_sum(acc)
+
+
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """``epilogue.tree_sum`` over the last dimension of ``x`` (a power of two long):
+    ``((x0 + x1) + (x2 + x3)) + ...``. Returns ``(..., 1)``."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x
 
 
 def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
