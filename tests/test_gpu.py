@@ -8,14 +8,13 @@ summary from every rank.
 """
 
 import pytest
-import torch
 
 import gpu_cases
+from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks, algo_dtype_pairs, dtype_name
 from tpcomm.launch import launch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 #: Hidden sizes of real models (2880: gpt-oss; 4096, 6144, 7168, 8192: Llama / Qwen / DeepSeek class).
 HIDDEN = [2880, 4096, 6144, 7168, 8192]
@@ -43,7 +42,7 @@ CHUNKED_IDS = [c[0] for c in CASES if c[5]]
 @pytest.fixture(scope="module")
 def eager():
     """Per rank: ``{case_id: summary}`` from one launch of every case on 2 GPUs."""
-    return launch(gpu_cases.eager_cases, 2, "cuda", args=(CASES, CHUNK_MAX_BYTES),
+    return launch(gpu_cases.eager_cases, GPU_WORLD, "cuda", args=(CASES, CHUNK_MAX_BYTES),
                   timeout_s=EAGER_LAUNCH_TIMEOUT_S)
 
 
@@ -104,7 +103,7 @@ SPECIAL_PAIRS = [(a, dtype_name(d)) for a, d in algo_dtype_pairs()]
 
 @pytest.fixture(scope="module")
 def special():
-    return launch(gpu_cases.gpu_special_values, 2, "cuda", args=(SPECIAL_PAIRS,), timeout_s=300)
+    return launch(gpu_cases.gpu_special_values, GPU_WORLD, "cuda", args=(SPECIAL_PAIRS,), timeout_s=300)
 
 
 @pytest.mark.parametrize("pair", [f"{a}-{d}" for a, d in SPECIAL_PAIRS])
@@ -126,7 +125,7 @@ def test_cuda_graph_replay():
     graph beside it; replayed GRAPH_REPLAYS times with new inputs copied into the captured inputs,
     interleaved with eager calls; every replay equals eager on the same inputs and the reference, on
     both GPUs identically."""
-    results = launch(gpu_cases.graph_replays, 2, "cuda", args=(GRAPH_REPLAYS, 4242), timeout_s=600)
+    results = launch(gpu_cases.graph_replays, GPU_WORLD, "cuda", args=(GRAPH_REPLAYS, 4242), timeout_s=600)
     check = Checks()
     for r, res in enumerate(results):
         check.that(not res["failures"], f"rank {r}: {len(res['failures'])} failures:\n" + "\n".join(res["failures"][:20]))
@@ -145,7 +144,7 @@ TIMEOUT_CONFIGS = [(a, op, T) for a in sorted({a for a, _ in algo_dtype_pairs()}
 
 @pytest.fixture(scope="module")
 def peer_timeouts():
-    return launch(gpu_cases.gpu_peer_timeout, 2, "cuda", args=(GPU_TIMEOUT_S, TIMEOUT_CONFIGS), timeout_s=600)[0]
+    return launch(gpu_cases.gpu_peer_timeout, GPU_WORLD, "cuda", args=(GPU_TIMEOUT_S, TIMEOUT_CONFIGS), timeout_s=600)[0]
 
 
 @pytest.mark.parametrize("algo,op,T", TIMEOUT_CONFIGS, ids=[f"{a}-{o}-{t}" for a, o, t in TIMEOUT_CONFIGS])

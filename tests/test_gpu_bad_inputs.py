@@ -5,15 +5,14 @@ and the default 32 MiB workspace. Marked ``gpu``; skipped without two GPUs. Run 
 ``python -m pytest -q -m gpu tests/test_gpu_bad_inputs.py``."""
 
 import pytest
-import torch
 
 import bad_input_cases
+from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
 from test_bad_inputs import check_outcome
 from tpcomm.launch import launch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 NAMES = list(bad_input_cases.CASES)
 GPU_NAMES = list(bad_input_cases.GPU_EXPECTED)
@@ -22,7 +21,7 @@ GPU_NAMES = list(bad_input_cases.GPU_EXPECTED)
 @pytest.fixture(scope="module")
 def matrix():
     """Per rank: ``{case: summary}`` from one launch running every case on 2 GPUs."""
-    return launch(bad_input_cases.gpu_body, 2, "cuda", args=(NAMES,), timeout_s=600)
+    return launch(bad_input_cases.gpu_body, GPU_WORLD, "cuda", args=(NAMES,), timeout_s=600)
 
 
 @pytest.mark.parametrize("case", NAMES + GPU_NAMES)

@@ -9,15 +9,14 @@ the output bits, which must agree between the GPUs.
 """
 
 import pytest
-import torch
 
 import gpu_collective_cases as gcc
+from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
 from tpcomm import dispatch
 from tpcomm.launch import launch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 #: one_shot first: every other algorithm is compared with it.
 ALGOS = ["one_shot", *[a for a in dispatch.ALGORITHMS if a != "one_shot"], "fallback"]
@@ -96,7 +95,7 @@ LAUNCH_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def parts():
     """Per rank: ``{part: summary}`` from one launch on 2 GPUs."""
-    return launch(gcc.run_all, 2, "cuda", args=(SPEC,), timeout_s=LAUNCH_TIMEOUT_S)
+    return launch(gcc.run_all, GPU_WORLD, "cuda", args=(SPEC,), timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def _part(parts, name, check):

@@ -18,14 +18,13 @@ fp16 and fp32, column-major scales, emit_unquantized off and no residual run on 
 """
 
 import pytest
-import torch
 
 import gpu_fused_fp8_cases
+from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
 from tpcomm.launch import launch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 #: Hidden sizes of real models (2880: gpt-oss; 4096 .. 8192: Llama / Qwen / DeepSeek class; 16384: two
 #: tiles of dispatch.MAX_BLOCK_H, so per-token scales need the third pass).
@@ -89,7 +88,7 @@ GRAPH_CALLS = [("lamport", "bfloat16", *combo(4096, 64, "lamport"), 128, False, 
 @pytest.fixture(scope="module")
 def runs():
     """Per rank: ``{"cases": {case_id: summary}, "graph": {...}}`` from one launch on 2 GPUs."""
-    return launch(gpu_fused_fp8_cases.fp8_gpu_body, 2, "cuda", args=(CASES, GRAPH_CALLS, GRAPH_REPLAYS),
+    return launch(gpu_fused_fp8_cases.fp8_gpu_body, GPU_WORLD, "cuda", args=(CASES, GRAPH_CALLS, GRAPH_REPLAYS),
                   timeout_s=580)
 
 

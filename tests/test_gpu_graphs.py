@@ -11,17 +11,16 @@ import os
 import sys
 
 import pytest
-import torch
 
 import gpu_graph_cases
+from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
 from tpcomm.launch import launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import tp_decoder  # noqa: E402
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 #: Replays of the soak graph: hundreds, so every buffer parity and Lamport slot is reused many times
 #: with stale data from earlier replays, under a different delayed rank each time.
@@ -37,7 +36,7 @@ RESERVED_SLACK = 32 << 20
 #: Bound on the growth of open file descriptors between the samples (one leaked per graph would be 55).
 FD_SLACK = 4
 
-EXAMPLE = tp_decoder.Config("cuda", 2, layers=2, tokens=32, hidden=1024, heads=8, intermediate=2816, dtype="bf16",
+EXAMPLE = tp_decoder.Config("cuda", GPU_WORLD, layers=2, tokens=32, hidden=1024, heads=8, intermediate=2816, dtype="bf16",
                             compile=True, graph=True, replays=5)
 
 CONFIG = {"cases": {
@@ -57,7 +56,7 @@ if os.environ.get("GPU_GRAPH_CASES"):
 @pytest.fixture(scope="module")
 def results():
     """Per rank: ``{case: summary}``, from one launch of every case on 2 GPUs."""
-    per_rank = launch(gpu_graph_cases.all_cases, 2, "cuda", args=(CONFIG,), timeout_s=540)
+    per_rank = launch(gpu_graph_cases.all_cases, GPU_WORLD, "cuda", args=(CONFIG,), timeout_s=540)
     for name in CONFIG["cases"]:
         for r, res in enumerate(per_rank):
             s = res[name]

@@ -4,14 +4,13 @@ machine: ``python -m pytest -q -m gpu tests/test_gpu_hygiene.py``. Measured on 2
 docs/data/gpu_hygiene_2xH200.log."""
 
 import pytest
-import torch
 
 import hygiene_cases
+from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
 from tpcomm.launch import launch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 CYCLES = 50
 #: Device memory in use may move by allocator and NCCL caches; one leaked workspace (32 MiB slots: about
@@ -23,7 +22,7 @@ FD_SLACK = 4
 
 @pytest.fixture(scope="module")
 def cycles():
-    results = launch(hygiene_cases.gpu_cycles, 2, "cuda", args=(CYCLES,), timeout_s=600)
+    results = launch(hygiene_cases.gpu_cycles, GPU_WORLD, "cuda", args=(CYCLES,), timeout_s=600)
     for r, res in enumerate(results):
         print(f"rank {r}: {CYCLES} cycles in {res['seconds']:.1f} s; before {res['before']}; after {res['after']}")
     return results

@@ -1,8 +1,10 @@
 #!/bin/bash
-# Device calls on 2 H200s after kernel changes, in two parts that each fit one 600 s call:
-#   bash benchmarks/session_2xh200.sh tests   # every GPU test file, then decode timings of kernel variants
-#   bash benchmarks/session_2xh200.sh sweep   # the 10,000-step soak, then the full bench sweep with FlashInfer
-#   bash benchmarks/session_2xh200.sh decode  # a short bench (hidden 6144/7168, graph), then the GPU tests
+# Device calls after kernel changes, in parts that each fit one 600 s call (2 H200s unless said):
+#   bash benchmarks/session.sh tests   # every GPU test file, then decode timings of kernel variants
+#   bash benchmarks/session.sh sweep   # the 10,000-step soak, then the full bench sweep with FlashInfer
+#   bash benchmarks/session.sh decode  # a short bench (hidden 6144/7168, graph), then the GPU tests
+#   bash benchmarks/session.sh w4      # 4 H200s (kind nvidia-h200-x4): every GPU test file with 4 ranks,
+#                                        # a 2,000-step soak, the demo, tune --quick, a bench at hidden 6144
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -48,8 +50,22 @@ decode)
         --modes graph --json $W/bench-decode-2xH200.json > $W/bench-decode-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt
     all_gpu_tests 220 40 ;;
+w4)
+    # World size 4 (issue 8): GPU tests with 4 ranks, soak, demo, tune, then the bench of fused, FP8 and
+    # all-reduce at hidden 6144 against every contender (needs carry [".whl"]). Each step has its own limit
+    # so the call ends within 600 s; logs land in $OUT/work as they are written.
+    TPCOMM_GPU_WORLD=4 all_gpu_tests 250 40
+    timeout 70 python3 -m tpcomm soak --steps 2000 --device cuda --seed 0 > $W/soak2000_w4.log 2>&1
+    echo "soak rc=$?" >> $W/summary.txt; tail -6 $W/soak2000_w4.log >> $W/summary.txt
+    timeout 40 python3 -m tpcomm demo > $W/demo_w4.log 2>&1
+    echo "demo rc=$?" >> $W/summary.txt; tail -3 $W/demo_w4.log >> $W/summary.txt
+    timeout 80 python3 -m tpcomm tune --quick --out $W/dispatch-w4.json > $W/tune_w4.log 2>&1
+    echo "tune rc=$?" >> $W/summary.txt
+    with_flashinfer timeout 85 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144 --dtype bf16 \
+        --modes graph --json $W/bench-w4.json > $W/bench-w4.log 2>&1
+    echo "bench rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session_2xh200.sh tests|sweep|decode"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4"; exit 2 ;;
 esac
 tar czf $OUT/results.tgz -C $W .
 cat $W/summary.txt
