@@ -5,6 +5,7 @@
 #   bash benchmarks/session.sh decode  # a short bench (hidden 6144/7168, graph), then the GPU tests
 #   bash benchmarks/session.sh w4      # 4 H200s (kind nvidia-h200-x4): every GPU test file with 4 ranks,
 #                                        # a 2,000-step soak, the demo, tune --quick, a bench at hidden 6144
+#   bash benchmarks/session.sh w4b     # 4 H200s: soak, FP8 and chunking tests again, the bench of every op
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -64,8 +65,21 @@ w4)
     with_flashinfer timeout 85 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144 --dtype bf16 \
         --modes graph --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench rc=$?" >> $W/summary.txt ;;
+w4b)
+    # World size 4, second call: the soak and the FP8 and chunking tests that ran out of time in w4 (run
+    # side by side, so the soak's wait limit is 30 s), then the bench of every op at hidden 6144 with the
+    # 4-rank default table (needs carry [".whl"]).
+    export TPCOMM_GPU_WORLD=4
+    timeout 300 python3 -m tpcomm soak --steps 2000 --device cuda --seed 0 --timeout 30 > $W/soak2000_w4.log 2>&1 &
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_fused_fp8.py tests/test_quant.py > $W/fp8.log 2>&1 &
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu.py -k chunked > $W/chunked.log 2>&1 &
+    wait
+    for f in soak2000_w4 fp8 chunked; do echo "$f:" >> $W/summary.txt; tail -3 $W/$f.log >> $W/summary.txt; done
+    with_flashinfer timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce,all_gather,reduce_scatter \
+        --hidden 6144 --dtype bf16 --modes graph --json $W/bench-w4.json > $W/bench-w4.log 2>&1
+    echo "bench rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b"; exit 2 ;;
 esac
 tar czf $OUT/results.tgz -C $W .
 cat $W/summary.txt

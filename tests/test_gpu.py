@@ -22,9 +22,10 @@ HIDDEN = [2880, 4096, 6144, 7168, 8192]
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 #: Cases that also run through a communicator with a small workspace (several launches per call).
 CHUNKED_HIDDEN, CHUNKED_TOKENS = (4096, 7168), (64, 1024)
-#: Bytes per launch of that communicator: 256 KiB carries 32 rows of 4096 bf16, so 1024 rows take 32
-#: launches, and 64 rows two.
-CHUNK_MAX_BYTES = 256 << 10
+#: Bytes per launch of that communicator: at 2 GPUs 256 KiB carries 32 rows of 4096 bf16, so 1024 rows
+#: take 32 launches, and 64 rows two; it shrinks with the world size so that two-shot, whose launch
+#: carries a share of half a slot per rank, still takes at least two launches for 64 rows.
+CHUNK_MAX_BYTES = (512 << 10) // GPU_WORLD
 #: Seconds for one launch of every eager case (about 150 cases, most of them small).
 EAGER_LAUNCH_TIMEOUT_S = 900
 
