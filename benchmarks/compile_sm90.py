@@ -60,7 +60,8 @@ def main():
                         if scatter and (norm or quant):
                             continue
                         results.append(("two_shot", dt, block, tiles, quant, norm,
-                                        build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter))))
+                                        build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter),
+                                              num_warps=8 if block >= 4096 else 16)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
                         build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
     # every other dtype is gathered as bytes

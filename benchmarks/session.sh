@@ -45,9 +45,9 @@ sweep)
     with_flashinfer timeout 330 python3 -m tpcomm bench --json $W/bench-2xH200.json > $W/bench-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt ;;
 decode)
-    # Short: the decode-relevant bench (fused, FP8, all-reduce at hidden 6144 and 7168, graph mode, every
+    # Short: the decode-relevant bench (fused, FP8, all-reduce, reduce-scatter at hidden 6144 and 7168, graph mode, every
     # contender), then every GPU test file (needs carry [".whl"]).
-    with_flashinfer timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce --hidden 6144,7168 --dtype bf16 \
+    with_flashinfer timeout 130 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce,reduce_scatter --hidden 6144,7168 --dtype bf16 \
         --modes graph --json $W/bench-decode-2xH200.json > $W/bench-decode-2xH200.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt
     all_gpu_tests 220 40 ;;

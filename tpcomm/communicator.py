@@ -589,7 +589,7 @@ class Communicator:
         from .kernels.two_shot import two_shot
 
         ws = self.workspace
-        cfg = dispatch.row_config(H, ws.max_programs)
+        cfg = dispatch.row_config(H, ws.max_programs, two_shot=True)
         per_launch = ws.share_rows_per_launch(H, x.element_size())
         longest = -(-n_rows // self.world_size)
         with self._launching(op):

@@ -54,8 +54,11 @@ class RowConfig:
             CUDA graph, fused Lamport at hidden 4096: 6.3 / 5.8 / 7.1 / 11.9 us at 1 / 16 / 64 / 256 tokens
             with 16 warps against 6.4 / 7.7 / 8.9 / 13.1 with 8 and 8.4 / 9.4 / 10.3 / 15.5 with 4; at
             hidden 6144 (tile 8192) 16 and 8 warps were within run-to-run noise
-            (docs/data/dev_warps_h*_2xH200.log).
-        max_programs: grid cap agreed by all ranks at set-up.
+            (docs/data/dev_warps_h*_2xH200.log). Two-shot runs tiles from 4096 with 8 warps and twice
+            the programs (:func:`row_config`). The warps never change a bit: the norm's sum is taken by
+            pairs whatever the layout (``kernels/epilogue.tree_sum``), and the amax is a max.
+        max_programs: the grid cap of this launch: the one agreed by all ranks at set-up (twice it for
+            two-shot's 8-warp programs).
     """
 
     block_h: int
@@ -69,13 +72,26 @@ class RowConfig:
 
 
 @functools.lru_cache(maxsize=4096)
-def row_config(hidden: int, max_programs: int) -> RowConfig:
-    """The :class:`RowConfig` for rows of ``hidden`` elements."""
+def row_config(hidden: int, max_programs: int, two_shot: bool = False) -> RowConfig:
+    """The :class:`RowConfig` for rows of ``hidden`` elements; ``max_programs`` is the grid cap agreed at
+    set-up (``Workspace.max_programs``).
+
+    With ``two_shot``, tiles of 4096 elements or more run 8 warps instead of 16, and up to twice
+    ``max_programs`` programs (as many warps in flight; ``Workspace.pad_programs`` has their flags).
+    Source: 2 H200s, bf16, CUDA graphs, ``benchmarks/dev_large.py``
+    (docs/data/run-2xH200-session5/dev_large.log): fused two-shot at 1024 / 4096 / 16384 x 6144 took
+    58.9 / 193.8 / 762.6 us against 64.1 / 226.1 / 862.2 with 16 warps and 264 programs, fused FP8
+    64.1 / 217.3 / 855.2 against 75.0 / 260.4 / 993.8, the flat all-reduce of 16 / 64 / 192 MiB
+    56.8 / 208.2 / 615.1 against 59.6 / 214.6 / 641.6; 528 programs of 16 warps were slower than both
+    (239.2 us at 4096 tokens). Lamport and one-shot keep 16 warps (decode, above).
+    """
     if hidden < 1:
         raise ValueError(f"row_config: hidden must be >= 1, got {hidden}")
     block_h = min(max(16, 1 << (hidden - 1).bit_length()), MAX_BLOCK_H)
     num_tiles = -(-hidden // block_h)
     num_warps = 4 if block_h <= 1024 else 8 if block_h <= 2048 else 16
+    if two_shot and num_warps == 16:
+        return RowConfig(block_h, num_tiles, 8, 2 * max_programs)
     return RowConfig(block_h, num_tiles, num_warps, max_programs)
 
 

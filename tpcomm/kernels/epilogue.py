@@ -1,8 +1,10 @@
 """The reduction and the residual + RMSNorm epilogue, shared by every algorithm.
 
-Every algorithm calls these same functions with the same ``BLOCK_H`` and ``num_warps`` (both chosen
-from the hidden size alone, :func:`tpcomm.dispatch.row_config`), so the reduction trees, and thus the
-bits of every output, do not depend on the algorithm, the grid, the rank or the number of rows.
+Every algorithm calls these same functions with the same ``BLOCK_H`` (chosen from the hidden size alone,
+:func:`tpcomm.dispatch.row_config`) and reduces by pairs or by max, whatever the layout the compiler picks
+for the ``num_warps`` of the launch (two-shot runs fewer warps than Lamport and one-shot), so the
+reduction trees, and thus the bits of every output, do not depend on the algorithm, the warps, the grid,
+the rank or the number of rows.
 
 Numerics (docs/numerics.md):
   s = T(sum_r f32(x_r)) in rank order starting from +0.0;

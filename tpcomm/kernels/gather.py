@@ -80,7 +80,7 @@ def all_gather(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, s
     _all_gather_kernel[(cfg.grid(n_rows),)](
         x, out, ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, width, x.numel(), out_rank_stride, ws.row_stride(width, es), ws.slot_elems(es),
-        ws.parity_elems(es), ws.max_programs, ws.timeout, ws.rank, signature,
+        ws.parity_elems(es), ws.pad_programs, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK=cfg.block_h, NUM_TILES=cfg.num_tiles, num_warps=cfg.num_warps,
         enable_fp_fusion=False,
     )

@@ -105,7 +105,7 @@ def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, ep
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
-        ws.parity_elems(x.element_size()), ws.max_programs,
+        ws.parity_elems(x.element_size()), ws.pad_programs,
         eps, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),

@@ -186,7 +186,7 @@ def two_shot(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, j0, n_local, H, x.numel(), ws.row_stride(H, es), ws.slot_elems(es), ws.half_slot_elems(es),
-        ws.parity_elems(es), ws.max_programs, eps, ws.timeout, ws.rank, signature,
+        ws.parity_elems(es), ws.pad_programs, eps, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, SCATTER_ONLY=scatter_only,
         NORM=norm, HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         num_warps=cfg.num_warps, enable_fp_fusion=False,
