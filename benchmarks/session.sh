@@ -6,6 +6,7 @@
 #   bash benchmarks/session.sh w4      # 4 H200s (kind nvidia-h200-x4): every GPU test file with 4 ranks,
 #                                        # a 2,000-step soak, the demo, tune --quick, a bench at hidden 6144
 #   bash benchmarks/session.sh w4b     # 4 H200s: soak, FP8 and chunking tests again, the bench of every op
+#   bash benchmarks/session.sh check   # a 3,000-step soak, then the graph and cross-algorithm GPU tests
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -78,8 +79,18 @@ w4b)
     with_flashinfer timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce,all_gather,reduce_scatter \
         --hidden 6144 --dtype bf16 --modes graph --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench rc=$?" >> $W/summary.txt ;;
+check)
+    # After a dispatch-table or launch-setting change: a 3,000-step soak, then the graph and
+    # cross-algorithm test files side by side.
+    timeout 150 python3 -m tpcomm soak --steps 3000 --device cuda --seed 1 > $W/soak3000.log 2>&1
+    echo "soak rc=$?" >> $W/summary.txt; tail -4 $W/soak3000.log >> $W/summary.txt
+    for f in graphs:tests/test_gpu_graphs.py collectives:tests/test_gpu_collectives.py; do
+        (timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
+         echo "${f%%:*} rc=$?" >> $W/summary.txt; tail -2 $W/${f%%:*}.log >> $W/summary.txt) &
+    done
+    wait ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check"; exit 2 ;;
 esac
 tar czf $OUT/results.tgz -C $W .
 cat $W/summary.txt

@@ -65,8 +65,10 @@ def all_cases(rank, world_size, cfg):
 
 
 # -- replay soak ----------------------------------------------------------------------------------------
-#: Rows of 4096 bf16 that the default table sends to two-shot (fused, 2 ranks): 1536 (12 MiB) today.
-TWO_SHOT_ROWS = -(-DEFAULT_TABLE.lookup("fused_add_rmsnorm", 2).two_shot_min_bytes // (4096 * 2))
+#: Rows of 4096 bf16 that the default table sends to two-shot (fused, 2 ranks): the first size above
+#: Lamport's and from two-shot's threshold, 513 rows (4 MiB + 8 KiB) today.
+_FUSED_2 = DEFAULT_TABLE.lookup("fused_add_rmsnorm", 2)
+TWO_SHOT_ROWS = max(-(-_FUSED_2.two_shot_min_bytes // (4096 * 2)), _FUSED_2.lamport_max_bytes // (4096 * 2) + 1)
 #: The calls captured in one graph: (kind, (T, H), dtype name). Under the default dispatch the 16-bit
 #: calls up to 4 MiB take Lamport, fp32 one-shot, and TWO_SHOT_ROWS x 4096 bf16 two-shot, so all three
 #: kernels share the graph with the FP8 form, all-gather and reduce-scatter.

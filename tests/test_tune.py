@@ -255,8 +255,9 @@ def test_differences_from_the_default_table_name_both_picks_and_times():
     d = derive(t.sizes, t.median_us)
     assert (d.lamport_max_bytes, d.two_shot_min_bytes) == (3 * MiB, 6 * MiB)
     table = build_table(cfg, {"fused_add_rmsnorm": d}, "src", "dev")
-    # the defaults (two-shot from 12 MiB) run one-shot at 512 tokens (6 MiB), the tuned table two-shot
-    diffs = differences(t, cfg, table)
+    # a base table with two-shot from 12 MiB runs one-shot at 512 tokens (6 MiB), the tuned table two-shot
+    base = dispatch.CrossoverTable({"fused_add_rmsnorm": {2: dispatch.Crossover(4 * MiB, 12 * MiB)}})
+    diffs = differences(t, cfg, table, base)
     assert diffs == [{"bytes": 6 * MiB, "tokens": 512, "base": "one_shot", "tuned": "two_shot",
                       "base_us": 30.0, "tuned_us": 25.0}]
     text = "\n".join(threshold_lines("fused_add_rmsnorm", cfg, d, table, diffs))
@@ -268,7 +269,8 @@ def test_op_table_marks_the_fastest_and_only_differing_default_picks():
     cfg = TuneConfig(world_size=2)
     t = _fused_times()
     table = build_table(cfg, {"fused_add_rmsnorm": derive(t.sizes, t.median_us)}, "src", "dev")
-    lines = op_table(t, cfg, table).splitlines()
+    base = dispatch.CrossoverTable({"fused_add_rmsnorm": {2: dispatch.Crossover(4 * MiB, 12 * MiB)}})
+    lines = op_table(t, cfg, table, base).splitlines()
     assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["size/rank", "tokens", "lamport µs", "one_shot µs",
                                                               "two_shot µs", "tuned pick", "default pick"]
     cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in lines[2:]]

@@ -189,7 +189,10 @@ def load_table(path: str) -> CrossoverTable:
 #: both ops (the all-reduce at 4 MiB: 20.5 us against 22.3 one-shot); two-shot first beats one-shot by
 #: more than the noise margin at 16 MiB for the all-reduce (59.7 against 63.4 us) and at 24 MiB for the
 #: fused op, where 12 MiB was a tie (65.8 against 66.3 us); both are set at the size where they tie or
-#: win.
+#: win. The fused op's two-shot threshold was moved down to 4 MiB once two-shot ran 8-warp programs
+#: (``row_config``): the same tune then measured two-shot 10% faster than one-shot at 6 MiB (31.6
+#: against 34.9 us) and 7% at 12 MiB, a tie at 4 MiB (25.3 against 25.1), while Lamport still won at 3 and
+#: 4 MiB (docs/data/run-2xH200-session5/tune_w2.log; the all-reduce's picks did not change).
 #: World size 4, measured the same way on 4 H200s (docs/data/run-4xH200-session5/first-call/tune_w4.log):
 #: one-shot's bytes grow with W - 1 and two-shot's do not, so every crossover moves down. All-reduce:
 #: Lamport fastest up to 1 MiB (16.7 us against 19.9 one-shot), two-shot from 2 MiB (27.3 against 31.6
@@ -197,9 +200,10 @@ def load_table(path: str) -> CrossoverTable:
 #: 5-9% faster at 16 and 64 tokens), two-shot from 3 MiB (39.7 against 46.0 Lamport, 256 tokens).
 #: Eight ranks and more use the 4-rank entries (not measured: no 8-GPU machine was lent).
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
+_TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-session5/tune_w2.log"
 _TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-session5/first-call/tune_w4.log"
 DEFAULT_TABLE = CrossoverTable({
-    "fused_add_rmsnorm": {2: Crossover(4 << 20, 12 << 20, _TUNED), 4: Crossover(12 << 10, 3 << 20, _TUNED_W4)},
+    "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(12 << 10, 3 << 20, _TUNED_W4)},
     "all_reduce": {2: Crossover(4 << 20, 16 << 20, _TUNED), 4: Crossover(1 << 20, 2 << 20, _TUNED_W4)},
     "all_gather": {2: Crossover(0, 0, "one algorithm (push)")},
     "reduce_scatter": {2: Crossover(0, 0, "one algorithm (two-shot's scatter)")},
