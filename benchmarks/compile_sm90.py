@@ -1,11 +1,17 @@
 """Compile every tpcomm kernel for sm_90 (H100/H200) on a machine without a GPU, down to a cubin with the
 Triton wheel's own ptxas: catches front-end errors (types that differ between the branches of an `if`,
-bad constexprs) that Triton's CPU interpreter does not check. Run with TRITON_INTERPRET=0:
+bad constexprs) that Triton's CPU interpreter does not check. With ``--regs`` also prints each variant's
+registers per thread and spill bytes (``ptxas -v``), which bound how many programs an SM holds at once.
+Run with TRITON_INTERPRET=0:
 
-    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/compile_sm90.py [--quick]
+    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/compile_sm90.py [--quick] [--regs]
 """
+import glob
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -14,6 +20,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from tpcomm import dispatch  # noqa: E402
 from tpcomm.kernels import gather, lamport, one_shot, two_shot  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -23,10 +30,33 @@ def sig_of(fn, types):
     return {name: types.get(name, "constexpr") for name in fn.arg_names}
 
 
+#: The wheel's ptxas binaries (``ptxas``, ``ptxas-blackwell``): the first that reads the PTX's version is used.
+PTXAS = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas*")))
+
+
+def resources(ptx):
+    """``"<registers> regs, <bytes> spill"`` of a kernel's PTX, from ``ptxas -v`` for sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        for ptxas in PTXAS:
+            proc = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"no ptxas of {PTXAS} compiles this PTX")
+        out = proc.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return f"{regs.group(1) if regs else '?'} regs, {spill.group(1) if spill else '?'} B spill"
+
+
 def build(fn, types, constexprs, num_warps=16):
     src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs=constexprs)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False})
-    return len(k.asm["cubin"])
+    size = f"{len(k.asm['cubin'])} B cubin, {num_warps} warps"
+    return f"{size}, {resources(k.asm['ptx'])}" if "--regs" in sys.argv else size
 
 
 def epi_types(dt):
@@ -34,7 +64,7 @@ def epi_types(dt):
             "res_out_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "s_row_stride": "i32",
             "s_group_stride": "i32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i32",
             "err_ptr": "*i32", "n_rows": "i32", "H": "i32", "numel": "i32", "row_stride": "i32",
-            "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "eps": "fp32",
+            "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "pad_programs": "i32", "eps": "fp32",
             "timeout": "i64", "rank": "i32", "signature": "i32", "j0": "i32", "n_local": "i32",
             "half_stride": "i32", "tag_off": "i32", "width": "i32", "out_rank_stride": "i32"}
 
@@ -52,16 +82,18 @@ def main():
                           "GEMMA": False, "QUANT": quant, "STORE_OUT": True, "FP8": tl.float8e4nv,
                           "NATIVE_FP8": True, "GROUP": 128 if quant == 2 else 1}
                     t = epi_types(dt)
-                    results.append(("one_shot", dt, block, tiles, quant, norm, build(one_shot._one_shot_kernel, t, ce)))
+                    warps = dispatch.row_config(block, 1).num_warps  # as the launchers pick them
+                    results.append(("one_shot", dt, block, tiles, quant, norm,
+                                    build(one_shot._one_shot_kernel, t, ce, warps)))
                     if dt == "bf16":
                         results.append(("lamport", dt, block, tiles, quant, norm,
-                                        build(lamport._lamport_kernel, t, ce)))
+                                        build(lamport._lamport_kernel, t, ce, warps)))
                     for scatter in (False, True):
                         if scatter and (norm or quant):
                             continue
                         results.append(("two_shot", dt, block, tiles, quant, norm,
                                         build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter),
-                                              num_warps=8 if block >= 4096 else 16)))
+                                              dispatch.row_config(block, 1, two_shot=True).num_warps)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
                         build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
     # every other dtype is gathered as bytes

@@ -2,8 +2,10 @@
 at hidden 6144 and the flat all-reduce, in CUDA graphs (``dev_fused.graph_time``, fewer calls per graph
 than at decode), next to ``torch.ops.symm_mem.two_shot_all_reduce_`` in the base run. A setting is
 ``base`` or ``+``-joined keys: ``mb<MiB>`` (the communicator's ``max_bytes``, i.e. the bytes one launch
-carries), ``mp<N>`` (``TPCOMM_MAX_PROGRAMS``, the grid cap), ``w<N>`` (``num_warps`` of every row
-config). Every output is checked bit for bit against ``tpcomm.reference`` first. Not a published number
+carries), ``mp<N>`` (``TPCOMM_MAX_PROGRAMS``, the grid cap; two-shot on one-tile rows of 4096+
+elements runs up to twice it since the 8-warp change), ``w<N>`` (``num_warps`` of every row config).
+The settings in ``docs/benchmarks.md`` were timed before that change, when the cap was the grid of every
+launch. Every output is checked bit for bit against ``tpcomm.reference`` first. Not a published number
 (those come from ``tpcomm bench``): it picks defaults to keep.
 
     PYTHONPATH=. python benchmarks/dev_large.py --settings base,mb64,mp528,w8 [--out DIR]

@@ -59,8 +59,8 @@ def _patch_warps(n):
     from tpcomm import dispatch
     row_config = dispatch.row_config
 
-    def with_warps(hidden, max_programs):
-        cfg = row_config(hidden, max_programs)
+    def with_warps(hidden, max_programs, two_shot=False):
+        cfg = row_config(hidden, max_programs, two_shot)
         return dispatch.RowConfig(cfg.block_h, cfg.num_tiles, n, cfg.max_programs)
     dispatch.row_config = with_warps
 

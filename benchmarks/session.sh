@@ -8,9 +8,11 @@
 #   bash benchmarks/session.sh w4b     # 4 H200s: soak, FP8 and chunking tests again, the bench of every op
 #   bash benchmarks/session.sh check   # a 3,000-step soak, then the graph and cross-algorithm GPU tests
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
-# see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz.
+# see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz; the
+# exit status is 1 when a step's summary line records a non-zero rc.
+: "${OUT:?OUT must name the folder whose files come back (the device tool sets it)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
-W=$OUT/work; mkdir -p $W
+W="$OUT/work"; mkdir -p "$W"
 
 # Every GPU test file: four pytest processes at once (compiling dominates; 32 cores), each within $1
 # seconds, then the hygiene file alone within $2 (it counts this machine's /dev/shm files).
@@ -57,6 +59,7 @@ w4)
     # all-reduce at hidden 6144 against every contender (needs carry [".whl"]). Each step has its own limit
     # so the call ends within 600 s; logs land in $OUT/work as they are written.
     TPCOMM_GPU_WORLD=4 all_gpu_tests 250 40
+    # (70 s was too short for the soak's compilations on 4 ranks: it ran again in w4b)
     timeout 70 python3 -m tpcomm soak --steps 2000 --device cuda --seed 0 > $W/soak2000_w4.log 2>&1
     echo "soak rc=$?" >> $W/summary.txt; tail -6 $W/soak2000_w4.log >> $W/summary.txt
     timeout 40 python3 -m tpcomm demo > $W/demo_w4.log 2>&1
@@ -71,11 +74,11 @@ w4b)
     # side by side, so the soak's wait limit is 30 s), then the bench of every op at hidden 6144 with the
     # 4-rank default table (needs carry [".whl"]).
     export TPCOMM_GPU_WORLD=4
-    timeout 300 python3 -m tpcomm soak --steps 2000 --device cuda --seed 0 --timeout 30 > $W/soak2000_w4.log 2>&1 &
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_fused_fp8.py tests/test_quant.py > $W/fp8.log 2>&1 &
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu.py -k chunked > $W/chunked.log 2>&1 &
+    step() { name=$1; shift; "$@" > $W/$name.log 2>&1; echo "$name rc=$?" >> $W/summary.txt; tail -3 $W/$name.log >> $W/summary.txt; }
+    step soak2000_w4 timeout 300 python3 -m tpcomm soak --steps 2000 --device cuda --seed 0 --timeout 30 &
+    step fp8 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_fused_fp8.py tests/test_quant.py &
+    step chunked timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu.py -k chunked &
     wait
-    for f in soak2000_w4 fp8 chunked; do echo "$f:" >> $W/summary.txt; tail -3 $W/$f.log >> $W/summary.txt; done
     with_flashinfer timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce,all_gather,reduce_scatter \
         --hidden 6144 --dtype bf16 --modes graph --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench rc=$?" >> $W/summary.txt ;;
@@ -92,5 +95,6 @@ check)
 *)
     echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check"; exit 2 ;;
 esac
-tar czf $OUT/results.tgz -C $W .
-cat $W/summary.txt
+tar czf "$OUT/results.tgz" -C "$W" .
+cat "$W/summary.txt"
+! grep -q 'rc=[1-9]' "$W/summary.txt"

@@ -23,6 +23,7 @@ import tpcomm.graphs as tgraphs
 import tpcomm.ops as tops
 from tpcomm.dispatch import DEFAULT_TABLE
 from gpu_cases import _digest, _max_ulp, _mismatch, gpu_inputs
+from gpu_world import GPU_WORLD
 from numerics import out_ulp_tolerance
 
 #: Failure messages kept per case (the count is always exact).
@@ -65,13 +66,14 @@ def all_cases(rank, world_size, cfg):
 
 
 # -- replay soak ----------------------------------------------------------------------------------------
-#: Rows of 4096 bf16 that the default table sends to two-shot (fused, 2 ranks): the first size above
-#: Lamport's and from two-shot's threshold, 513 rows (4 MiB + 8 KiB) today.
-_FUSED_2 = DEFAULT_TABLE.lookup("fused_add_rmsnorm", 2)
-TWO_SHOT_ROWS = max(-(-_FUSED_2.two_shot_min_bytes // (4096 * 2)), _FUSED_2.lamport_max_bytes // (4096 * 2) + 1)
-#: The calls captured in one graph: (kind, (T, H), dtype name). Under the default dispatch the 16-bit
-#: calls up to 4 MiB take Lamport, fp32 one-shot, and TWO_SHOT_ROWS x 4096 bf16 two-shot, so all three
-#: kernels share the graph with the FP8 form, all-gather and reduce-scatter.
+#: Rows of 4096 bf16 that the default table sends to two-shot (fused, GPU_WORLD ranks): the first size
+#: above Lamport's and from two-shot's threshold; at 2 ranks 513 rows (4 MiB + 8 KiB) today.
+_FUSED = DEFAULT_TABLE.lookup("fused_add_rmsnorm", GPU_WORLD)
+TWO_SHOT_ROWS = max(-(-_FUSED.two_shot_min_bytes // (4096 * 2)), _FUSED.lamport_max_bytes // (4096 * 2) + 1)
+#: The calls captured in one graph: (kind, (T, H), dtype name). Under the default dispatch at 2 ranks the
+#: 16-bit calls up to 4 MiB take Lamport (at 4 ranks those over 16 KiB one-shot), fp32 one-shot, and
+#: TWO_SHOT_ROWS x 4096 bf16 two-shot, so all three kernels share the graph with the FP8 form, all-gather
+#: and reduce-scatter.
 SOAK_CALLS = [("fused", (16, 4096), "bfloat16"), ("all_reduce", (16, 4096), "bfloat16"),
               ("fused", (4, 4096), "float32"), ("fused_no_res", (64, 4096), "float16"),
               ("all_reduce", (3, 4096), "float32"), ("fused", (TWO_SHOT_ROWS, 4096), "bfloat16"),

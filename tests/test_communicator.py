@@ -222,6 +222,21 @@ def test_grid_size_never_changes_a_bit(pool, algo, dtype):
     check.done()
 
 
+def test_two_shot_doubled_grid_never_changes_a_bit(pool):
+    """Two-shot on rows of one tile of 4096+ elements launches up to twice the grid cap (8-warp programs,
+    ``dispatch.row_config``): 9 rows of 2500 bf16 under caps 4, 1, 3 and mixed give the bits of one-shot
+    at the default cap (the all-reduce too: its flat rows are 4096 wide)."""
+    shape, W = (9, 2500), pool.world_size
+    ref = pool.run(rank_cases.grid_case, 1251, shape, torch.bfloat16, (None,) * W, algo="one_shot")[0]
+    check = Checks()
+    for g in GRIDS:
+        for r, res in enumerate(pool.run(rank_cases.grid_case, 1251, shape, torch.bfloat16, g[:W], algo="two_shot")):
+            check(assert_same_bits, res["s"], res["s_ref"], f"caps {g}: rank {r} all_reduce")
+            for name in ("out", "residual_out"):
+                check(assert_same_bits, res[name], ref[name], f"caps {g}: rank {r} {name} vs one-shot")
+    check.done()
+
+
 def test_timeout_from_environment(pool2):
     """TPCOMM_TIMEOUT_S sets the kernels' timeout when timeout_s is not given."""
     results = pool2.run(rank_cases.env_timeout_case, "2.5")

@@ -21,6 +21,18 @@ def test_row_config_depends_on_hidden_alone(H):
     assert (a.block_h, a.num_tiles, a.num_warps) == (b.block_h, b.num_tiles, b.num_warps)
 
 
+@pytest.mark.parametrize("H", [7, 1024, 2048, 2049, 4096, 6144, 8192, 8193, 16384])
+def test_two_shot_row_config_keeps_the_tiles(H):
+    """Two-shot may change the warps and the grid cap (no bit depends on them), never the tiling; it
+    runs 8-warp programs, twice as many, only on rows of one tile of 4096+ elements."""
+    base, two = dispatch.row_config(H, 264), dispatch.row_config(H, 264, two_shot=True)
+    assert (two.block_h, two.num_tiles) == (base.block_h, base.num_tiles)
+    if base.num_tiles == 1 and base.block_h >= 4096:
+        assert (two.num_warps, two.max_programs) == (8, 528)
+    else:
+        assert two == base
+
+
 def test_row_config_rejects_empty_rows():
     with pytest.raises(ValueError, match="hidden"):
         dispatch.row_config(0, 4)

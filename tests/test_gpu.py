@@ -1,5 +1,5 @@
-"""The correctness checks of the CPU suite on 2 GPUs (NCCL group, symmetric memory), plus CUDA-graph
-capture and replay. Marked ``gpu``; skipped unless two CUDA GPUs are visible. Run on the GPU machine:
+"""The correctness checks of the CPU suite on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory), plus CUDA-graph
+capture and replay. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU machine:
 ``python -m pytest -q -m gpu tests/test_gpu.py``.
 
 Spawning ranks and joining NCCL costs seconds, so each module-scoped fixture launches once and runs
@@ -42,7 +42,7 @@ CHUNKED_IDS = [c[0] for c in CASES if c[5]]
 
 @pytest.fixture(scope="module")
 def eager():
-    """Per rank: ``{case_id: summary}`` from one launch of every case on 2 GPUs."""
+    """Per rank: ``{case_id: summary}`` from one launch of every case on GPU_WORLD GPUs."""
     return launch(gpu_cases.eager_cases, GPU_WORLD, "cuda", args=(CASES, CHUNK_MAX_BYTES),
                   timeout_s=EAGER_LAUNCH_TIMEOUT_S)
 
@@ -137,7 +137,7 @@ def test_cuda_graph_replay():
 
 #: A short kernel timeout on the GPU (measured with %globaltimer, so the wall time should follow it).
 GPU_TIMEOUT_S = 0.5
-#: (algo, op, rows): one row, and 4096 rows, which gives every program of the grid (two per SM) many
+#: (algo, op, rows): one row, and 4096 rows, which gives every program of the grid (two per SM; two-shot: four) many
 #: rows, so a wait per row would add up to many timeouts.
 TIMEOUT_CONFIGS = [(a, op, T) for a in sorted({a for a, _ in algo_dtype_pairs()})
                    for op, T in (("all_reduce", 1), ("fused_add_rmsnorm", 1), ("fused_add_rmsnorm", 4096))]
@@ -145,7 +145,8 @@ TIMEOUT_CONFIGS = [(a, op, T) for a in sorted({a for a, _ in algo_dtype_pairs()}
 
 @pytest.fixture(scope="module")
 def peer_timeouts():
-    return launch(gpu_cases.gpu_peer_timeout, GPU_WORLD, "cuda", args=(GPU_TIMEOUT_S, TIMEOUT_CONFIGS), timeout_s=600)[0]
+    return launch(gpu_cases.gpu_peer_timeout, GPU_WORLD, "cuda", args=(GPU_TIMEOUT_S, TIMEOUT_CONFIGS),
+                  timeout_s=600)[0]
 
 
 @pytest.mark.parametrize("algo,op,T", TIMEOUT_CONFIGS, ids=[f"{a}-{o}-{t}" for a, o, t in TIMEOUT_CONFIGS])

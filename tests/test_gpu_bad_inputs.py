@@ -1,7 +1,7 @@
-"""The bad-input matrix on 2 GPUs (NCCL group, symmetric memory): every CPU case of
+"""The bad-input matrix on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory): every CPU case of
 ``tests/test_bad_inputs.py`` plus the GPU-only rows: a CPU tensor or a tensor on the other GPU given to
 a GPU communicator (each tensor argument in turn), and sizes exactly at and one past the Lamport limit
-and the default 32 MiB workspace. Marked ``gpu``; skipped without two GPUs. Run on the GPU machine:
+and the default 32 MiB workspace. Marked ``gpu``; skipped without that many GPUs. Run on the GPU machine:
 ``python -m pytest -q -m gpu tests/test_gpu_bad_inputs.py``."""
 
 import pytest
@@ -20,7 +20,7 @@ GPU_NAMES = list(bad_input_cases.GPU_EXPECTED)
 
 @pytest.fixture(scope="module")
 def matrix():
-    """Per rank: ``{case: summary}`` from one launch running every case on 2 GPUs."""
+    """Per rank: ``{case: summary}`` from one launch running every case on GPU_WORLD GPUs."""
     return launch(bad_input_cases.gpu_body, GPU_WORLD, "cuda", args=(NAMES,), timeout_s=600)
 
 

@@ -1,6 +1,6 @@
-"""Issue 3 on 2 GPUs (NCCL group, symmetric memory): every algorithm gives the same bits at real
+"""Issue 3 on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory): every algorithm gives the same bits at real
 shapes, interleaved calls of every op, size and algorithm, and all_gather / reduce_scatter inside CUDA
-graphs replayed with new inputs. Marked ``gpu``; skipped unless two CUDA GPUs are visible. Run on the GPU
+graphs replayed with new inputs. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU
 machine: ``python3 -m pytest -q -m gpu tests/test_gpu_collectives.py -p no:cacheprovider``.
 
 One launch (module fixture) runs every part in the ranks (``tests/gpu_collective_cases.py``); each test
@@ -94,7 +94,7 @@ LAUNCH_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def parts():
-    """Per rank: ``{part: summary}`` from one launch on 2 GPUs."""
+    """Per rank: ``{part: summary}`` from one launch on GPU_WORLD GPUs."""
     return launch(gcc.run_all, GPU_WORLD, "cuda", args=(SPEC,), timeout_s=LAUNCH_TIMEOUT_S)
 
 

@@ -1,5 +1,5 @@
-"""Fused FP8 output of ``fused_add_rmsnorm(..., quant=...)`` on 2 GPUs (issue 4), at the shapes of real
-models. Marked ``gpu``; skipped unless two CUDA GPUs are visible. Run on the GPU machine:
+"""Fused FP8 output of ``fused_add_rmsnorm(..., quant=...)`` on ``GPU_WORLD`` GPUs (issue 4), at the shapes of real
+models. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU machine:
 ``python -m pytest -q -m gpu tests/test_gpu_fused_fp8.py``.
 
 Per case, on both GPUs: bytes and scales equal the standalone Triton quant (``tpcomm.quant``, with the
@@ -87,7 +87,7 @@ GRAPH_CALLS = [("lamport", "bfloat16", *combo(4096, 64, "lamport"), 128, False, 
 
 @pytest.fixture(scope="module")
 def runs():
-    """Per rank: ``{"cases": {case_id: summary}, "graph": {...}}`` from one launch on 2 GPUs."""
+    """Per rank: ``{"cases": {case_id: summary}, "graph": {...}}`` from one launch on GPU_WORLD GPUs."""
     return launch(gpu_fused_fp8_cases.fp8_gpu_body, GPU_WORLD, "cuda", args=(CASES, GRAPH_CALLS, GRAPH_REPLAYS),
                   timeout_s=580)
 

@@ -1,5 +1,5 @@
-"""CUDA graphs, ``torch.compile`` and the custom ops (``tpcomm.ops``, ``tpcomm.graphs``) on 2 GPUs.
-Marked ``gpu``; skipped unless two CUDA GPUs are visible. Run on the GPU machine:
+"""CUDA graphs, ``torch.compile`` and the custom ops (``tpcomm.ops``, ``tpcomm.graphs``) on ``GPU_WORLD`` GPUs.
+Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU machine:
 ``python -m pytest -q -m gpu tests/test_gpu_graphs.py``.
 
 One launch runs every case inside the ranks (``tests/gpu_graph_cases.py``); each test reads its case's
@@ -36,8 +36,8 @@ RESERVED_SLACK = 32 << 20
 #: Bound on the growth of open file descriptors between the samples (one leaked per graph would be 55).
 FD_SLACK = 4
 
-EXAMPLE = tp_decoder.Config("cuda", GPU_WORLD, layers=2, tokens=32, hidden=1024, heads=8, intermediate=2816, dtype="bf16",
-                            compile=True, graph=True, replays=5)
+EXAMPLE = tp_decoder.Config("cuda", GPU_WORLD, layers=2, tokens=32, hidden=1024, heads=8, intermediate=2816,
+                            dtype="bf16", compile=True, graph=True, replays=5)
 
 CONFIG = {"cases": {
     "guard_errors": {},
@@ -55,7 +55,7 @@ if os.environ.get("GPU_GRAPH_CASES"):
 
 @pytest.fixture(scope="module")
 def results():
-    """Per rank: ``{case: summary}``, from one launch of every case on 2 GPUs."""
+    """Per rank: ``{case: summary}``, from one launch of every case on GPU_WORLD GPUs."""
     per_rank = launch(gpu_graph_cases.all_cases, GPU_WORLD, "cuda", args=(CONFIG,), timeout_s=540)
     for name in CONFIG["cases"]:
         for r, res in enumerate(per_rank):
@@ -141,7 +141,7 @@ def test_capture_guard_refusals(results, case):
 
 
 def test_example_tp_decoder_on_gpus(results):
-    """examples/tp_decoder.py on 2 GPUs: eager, compiled and CUDA-graph replays match the float64
+    """examples/tp_decoder.py on GPU_WORLD GPUs: eager, compiled and CUDA-graph replays match the float64
     reference, ranks agree, and each replay equals the compiled model outside the graph bit for bit."""
     check = Checks()
     sums = _summaries(results, "example", check)

@@ -260,9 +260,8 @@ def test_differences_from_the_default_table_name_both_picks_and_times():
     diffs = differences(t, cfg, table, base)
     assert diffs == [{"bytes": 6 * MiB, "tokens": 512, "base": "one_shot", "tuned": "two_shot",
                       "base_us": 30.0, "tuned_us": 25.0}]
-    text = "\n".join(threshold_lines("fused_add_rmsnorm", cfg, d, table, diffs))
-    default = dispatch.DEFAULT_TABLE.lookup("fused_add_rmsnorm", 2).two_shot_min_bytes // MiB
-    assert f"two_shot_min_bytes 6 MiB (default {default} MiB)" in text and "the tuned pick saves 17%" in text
+    text = "\n".join(threshold_lines("fused_add_rmsnorm", cfg, d, table, diffs, base))
+    assert "two_shot_min_bytes 6 MiB (default 12 MiB)" in text and "the tuned pick saves 17%" in text
 
 
 def test_op_table_marks_the_fastest_and_only_differing_default_picks():

@@ -7,7 +7,7 @@ the same choice and no rank ever waits for a kernel its peer did not launch.
 Algorithms of the all-reduce and the fused all-reduce + residual + RMSNorm: ``lamport`` (16-bit inputs
 up to a threshold), ``one_shot``, ``two_shot`` (from a threshold up) and ``fallback``
 (``torch.distributed``). All-gather runs ``push``, reduce-scatter ``two_shot`` (its first half). The
-thresholds come from a :class:`CrossoverTable`: ``DEFAULT_TABLE`` (measured on 2 H200s, sources below) or
+thresholds come from a :class:`CrossoverTable`: ``DEFAULT_TABLE`` (measured on 2 and 4 H200s, sources below) or
 one written by ``tpcomm tune`` on the current machine.
 """
 
@@ -43,9 +43,10 @@ ALL_REDUCE_ROW = 4096
 
 @dataclass(frozen=True)
 class RowConfig:
-    """How a row of ``hidden`` elements is tiled. Depends on ``hidden`` alone (not on the rank, the
-    algorithm or the number of rows), which keeps the norm's reduction tree, and so every output bit,
-    the same for every call (batch invariance, docs/numerics.md item 1).
+    """How a row of ``hidden`` elements is tiled and launched. The tile depends on ``hidden`` alone (not
+    on the rank, the algorithm or the number of rows), which keeps the norm's reduction tree, and so every
+    output bit, the same for every call (batch invariance, docs/numerics.md item 1); the warps and the
+    grid cap also depend on the algorithm (two-shot), which changes no bit.
 
     Attributes:
         block_h: tile width (a power of two, >= 16).
@@ -54,11 +55,11 @@ class RowConfig:
             CUDA graph, fused Lamport at hidden 4096: 6.3 / 5.8 / 7.1 / 11.9 us at 1 / 16 / 64 / 256 tokens
             with 16 warps against 6.4 / 7.7 / 8.9 / 13.1 with 8 and 8.4 / 9.4 / 10.3 / 15.5 with 4; at
             hidden 6144 (tile 8192) 16 and 8 warps were within run-to-run noise
-            (docs/data/dev_warps_h*_2xH200.log). Two-shot runs tiles from 4096 with 8 warps and twice
-            the programs (:func:`row_config`). The warps never change a bit: the norm's sum is taken by
+            (docs/data/dev_warps_h*_2xH200.log). Two-shot runs rows of one tile of 4096+ elements with
+            8 warps and twice the programs (:func:`row_config`). The warps never change a bit: the norm's sum is taken by
             pairs whatever the layout (``kernels/epilogue.tree_sum``), and the amax is a max.
         max_programs: the grid cap of this launch: the one agreed by all ranks at set-up (twice it for
-            two-shot's 8-warp programs).
+            two-shot's rows of one tile of 4096+ elements).
     """
 
     block_h: int
@@ -76,8 +77,11 @@ def row_config(hidden: int, max_programs: int, two_shot: bool = False) -> RowCon
     """The :class:`RowConfig` for rows of ``hidden`` elements; ``max_programs`` is the grid cap agreed at
     set-up (``Workspace.max_programs``).
 
-    With ``two_shot``, tiles of 4096 elements or more run 8 warps instead of 16, and up to twice
-    ``max_programs`` programs (as many warps in flight; ``Workspace.pad_programs`` has their flags).
+    With ``two_shot``, rows of one tile of 4096 elements or more (hidden 2049-8192, and the flat
+    all-reduce's rows) run 8 warps instead of 16, and up to twice ``max_programs`` programs (as many warps
+    in flight; ``Workspace.pad_programs`` has their flags). Rows of two tiles or more keep 16 warps: with
+    8, ptxas spills 0.7-1.6 KB per thread there against 0.1-0.3 KB with 16 (``python
+    benchmarks/compile_sm90.py --regs``, Triton 3.9), and that case was not timed on GPUs.
     Source: 2 H200s, bf16, CUDA graphs, ``benchmarks/dev_large.py``
     (docs/data/run-2xH200-session5/dev_large.log): fused two-shot at 1024 / 4096 / 16384 x 6144 took
     58.9 / 193.8 / 762.6 us against 64.1 / 226.1 / 862.2 with 16 warps and 264 programs, fused FP8
@@ -90,7 +94,7 @@ def row_config(hidden: int, max_programs: int, two_shot: bool = False) -> RowCon
     block_h = min(max(16, 1 << (hidden - 1).bit_length()), MAX_BLOCK_H)
     num_tiles = -(-hidden // block_h)
     num_warps = 4 if block_h <= 1024 else 8 if block_h <= 2048 else 16
-    if two_shot and num_warps == 16:
+    if two_shot and num_warps == 16 and num_tiles == 1:
         return RowConfig(block_h, num_tiles, 8, 2 * max_programs)
     return RowConfig(block_h, num_tiles, num_warps, max_programs)
 
@@ -197,13 +201,15 @@ def load_table(path: str) -> CrossoverTable:
 #: one-shot's bytes grow with W - 1 and two-shot's do not, so every crossover moves down. All-reduce:
 #: Lamport fastest up to 1 MiB (16.7 us against 19.9 one-shot), two-shot from 2 MiB (27.3 against 31.6
 #: Lamport). Fused at hidden 6144: Lamport wins at 1 token only (11.0 against 11.6 us; one-shot is
-#: 5-9% faster at 16 and 64 tokens), two-shot from 3 MiB (39.7 against 46.0 Lamport, 256 tokens).
-#: Eight ranks and more use the 4-rank entries (not measured: no 8-GPU machine was lent).
+#: 5-9% faster at 16 and 64 tokens), so it is kept up to 16 KiB, one token up to hidden 8192; two-shot
+#: from 3 MiB (39.7 against 46.0 Lamport, 256 tokens). These 4-rank numbers were taken with two-shot's
+#: earlier 16-warp programs (two-shot only got faster since; not re-measured on 4 GPUs).
+#: Three ranks use the 2-rank entries, five to seven and eight (no 8-GPU machine was lent) the 4-rank ones.
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
 _TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-session5/tune_w2.log"
 _TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-session5/first-call/tune_w4.log"
 DEFAULT_TABLE = CrossoverTable({
-    "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(12 << 10, 3 << 20, _TUNED_W4)},
+    "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(16 << 10, 3 << 20, _TUNED_W4)},
     "all_reduce": {2: Crossover(4 << 20, 16 << 20, _TUNED), 4: Crossover(1 << 20, 2 << 20, _TUNED_W4)},
     "all_gather": {2: Crossover(0, 0, "one algorithm (push)")},
     "reduce_scatter": {2: Crossover(0, 0, "one algorithm (two-shot's scatter)")},

@@ -25,8 +25,8 @@ class EnvConfig:
         timeout_s: ``TPCOMM_TIMEOUT_S``: seconds a kernel waits for a peer before it gives up and the
             communicator raises :class:`~tpcomm.errors.PeerTimeoutError` (default 30).
         max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: twice the
-            number of SMs on CUDA, 4 under the CPU interpreter); two-shot's 8-warp programs (tiles of
-            4096+ elements) run up to twice it (``dispatch.row_config``).
+            number of SMs on CUDA, 4 under the CPU interpreter); two-shot's 8-warp programs (rows of one
+            tile of 4096+ elements) run up to twice it (``dispatch.row_config``).
     """
 
     algo: str = "auto"

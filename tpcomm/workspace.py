@@ -49,9 +49,9 @@ class Workspace:
         device: ``torch.device`` of the kernels (``cuda:i`` or ``cpu``).
         slot_bytes: bytes of one slot, i.e. the largest message one launch can carry (rounded up to 256).
         lamport_slot_bytes: bytes of one Lamport slot (the largest Lamport launch).
-        max_programs: grid cap of a launch of 16-warp programs (``dispatch.row_config``); two-shot's
-            8-warp programs run up to twice as many, so the signal pad has ``pad_programs``
-            (``2 * max_programs``) flags per peer, phase and parity.
+        max_programs: grid cap of every launch except two-shot's on rows of one tile of 4096+ elements, which run
+            8-warp programs, up to twice as many (``dispatch.row_config``); so the signal pad has
+            ``pad_programs`` (``2 * max_programs``) flags per peer, phase and parity.
         timeout_s: how long a kernel waits for a peer.
 
     Raises:

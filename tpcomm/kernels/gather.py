@@ -22,7 +22,7 @@ from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, p
 @triton.jit
 def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                        n_rows, width, numel, out_rank_stride, row_stride, slot_stride, parity_stride,
-                       max_programs, timeout, rank, signature,
+                       pad_programs, timeout, rank, signature,
                        WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -46,7 +46,7 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
                     tl.store(dst + cols, v, mask=mask)
             tl.store(out_ptr + rank * out_rank_stride + row_start + cols, v, mask=mask)
 
-    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, WORLD)
 
     # 2. Copy every peer's rows out of this rank's receive buffer.

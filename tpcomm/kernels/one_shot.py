@@ -30,7 +30,7 @@ from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, p
 @triton.jit
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
-                     n_rows, H, numel, row_stride, slot_stride, parity_stride, max_programs,
+                     n_rows, H, numel, row_stride, slot_stride, parity_stride, pad_programs,
                      eps, timeout, rank, signature,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
@@ -65,7 +65,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         res_pre, w_pre = offs, offs
 
     # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
-    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, WORLD)
 
     # 3. Reduce in rank order and run the epilogue.

@@ -94,11 +94,10 @@ def flag_value(epoch, signature):
 
 
 @triton.jit
-def flag_offset(par, phase, pid, max_programs, WORLD: tl.constexpr):
-    """Index of ``[par][phase][pid][0]`` in the signal pad ``int64 [2][2][max_programs][WORLD]``
-    (``max_programs`` is ``Workspace.pad_programs``)
-    (``workspace.PHASES`` is 2)."""
-    return ((par * 2 + phase) * max_programs + pid) * WORLD
+def flag_offset(par, phase, pid, pad_programs, WORLD: tl.constexpr):
+    """Index of ``[par][phase][pid][0]`` in the signal pad ``int64 [2][2][pad_programs][WORLD]``
+    (``workspace.PHASES`` is 2; ``pad_programs`` is ``Workspace.pad_programs``)."""
+    return ((par * 2 + phase) * pad_programs + pid) * WORLD
 
 
 @triton.jit

@@ -69,7 +69,7 @@ def share_len(o, n_rows, WORLD: tl.constexpr):
 def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, j0, n_local, H, numel, row_stride, slot_stride, half_stride, parity_stride,
-                     max_programs, eps, timeout, rank, signature,
+                     pad_programs, eps, timeout, rank, signature,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      SCATTER_ONLY: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      GEMMA: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr,
@@ -95,7 +95,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                         cols = t * BLOCK_H + offs
                         mask = (cols < H) & (row_start + cols < numel)
                         tl.store(dst + cols, tl.load(x_ptr + row_start + cols, mask=mask), mask=mask)
-    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, max_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, WORLD)
 
     # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
@@ -123,7 +123,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                      mask=mask)
 
     if not SCATTER_ONLY:
-        flags = flag_offset(par, 1, pid, max_programs, WORLD)
+        flags = flag_offset(par, 1, pid, pad_programs, WORLD)
         signal_peers(flag_table_ptr, flags, epoch, signature, rank, WORLD)
         # 3a. While the peers' sums travel: the epilogue of this rank's own rows, from s in out (in place).
         if NORM:
