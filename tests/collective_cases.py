@@ -189,6 +189,25 @@ def reduce_scatter_case(ctx, seed, shape, dtype, dim, max_bytes=None, algo="auto
             "bounds": tpcomm.reference.share_bounds(T, W, ctx.rank)}
 
 
+def unsigned_case(ctx, seed, dtype_name, algo):
+    """all_reduce, reduce_scatter and all_gather of a ``dtype_name`` (``uint16``, ...) input of 5 x 7 under
+    ``algo``; returns each op's count of mismatched elements against the exact results (computed here:
+    the test harness cannot pickle unsigned tensors)."""
+    dtype = getattr(torch, dtype_name)
+    comm = ctx.comm()
+    xs = [summable_input(seed, r, (5, 7), dtype) for r in range(ctx.world_size)]
+    x = xs[ctx.rank]
+    want = exact_sum(xs)
+    with comm.use_algorithm(algo):
+        s, share, g = comm.all_reduce(x), comm.reduce_scatter(x), comm.all_gather(x)
+    mine = torch.tensor_split(want, ctx.world_size)[ctx.rank]
+
+    def mismatched(a, b):
+        return -1 if a.shape != b.shape or a.dtype != b.dtype else int((raw(a) != raw(b)).sum())
+    return {"all_reduce": mismatched(s, want), "reduce_scatter": mismatched(share, mine),
+            "all_gather": mismatched(g, torch.cat(xs))}
+
+
 # -- interleaving ----------------------------------------------------------------------------------------
 def interleave_case(ctx, seed, steps, max_skew_s):
     """Run ``steps`` (``(op, shape, dtype, algo)``; op ``fused``, ``fused_no_res``, ``all_reduce``,

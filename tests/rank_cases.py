@@ -63,7 +63,8 @@ def _exact_int_sum(xs) -> torch.Tensor:
 def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layout="contiguous",
                     max_bytes=None, algo=None):
     """One ``all_reduce``. ``out_mode``: ``new`` (no out), ``nan`` (out pre-filled with NaN),
-    ``inplace`` (out=x), ``strided`` (a NaN-filled non-contiguous out whose gaps must stay NaN)."""
+    ``inplace`` (out=x), ``strided`` (a NaN-filled non-contiguous out whose gaps must stay NaN),
+    ``overlap<k>`` (x and out views of one buffer, out ``k`` elements after x: they overlap, not in place)."""
     comm = ctx.comm(max_bytes, algo=algo)
     xs = all_inputs(seed, ctx.world_size, shape, dtype, kind)
     x = layout_of(xs[ctx.rank], layout)
@@ -78,6 +79,14 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
     elif out_mode == "inplace":
         y = comm.all_reduce(x, out=x)
         assert y is x, "all_reduce(x, out=x) must return x"
+    elif out_mode.startswith("overlap"):
+        k, n = int(out_mode[len("overlap"):]), x.numel()
+        buf = torch.empty(n + abs(k), dtype=dtype)
+        xv, ov = (buf[:n], buf[k:]) if k > 0 else (buf[-k:], buf[:n])
+        xv.copy_(x.reshape(-1))
+        out = ov.view(shape)
+        y = comm.all_reduce(xv.view(shape), out=out)
+        assert y is out, "all_reduce must return the out tensor it was given"
     elif out_mode == "strided":
         backing = torch.full((*shape[:-1], 2 * shape[-1]), float("nan"), dtype=dtype)
         out = backing[..., 1::2]
@@ -87,7 +96,8 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
     else:
         raise ValueError(out_mode)
     result = {"y": y.clone(), "ref": tpcomm.reduce_in_rank_order(xs), "gaps": gaps,
-              "x_untouched": out_mode == "inplace" or torch.equal(bits(x), bits(x_before)),
+              "x_untouched": out_mode == "inplace" or out_mode.startswith("overlap")
+              or torch.equal(bits(x), bits(x_before)),
               "plan": comm.plan("all_reduce", x.numel() * x.element_size(), min(x.numel(), dispatch.ALL_REDUCE_ROW),
                                 dtype).algorithm}
     if kind == "int":
@@ -674,6 +684,20 @@ def grid_case(ctx, seed, shape, dtype, programs_per_rank, algo=None):
                 "max_programs": comm.workspace.max_programs, "s_ref": tpcomm.reduce_in_rank_order(xs)}
     finally:
         comm.close()
+
+
+def refused_setup_case(ctx, bad_rank, env, max_bytes=None):
+    """Rank ``bad_rank`` creates a Communicator with the ``TPCOMM_*`` variables ``env`` (and
+    ``max_bytes``), the others with none. Returns ``(exception type name, message, seconds)`` of what the
+    constructor raised on this rank (``None`` when it did not)."""
+    mine = ctx.rank == bad_rank
+    start = time.monotonic()
+    try:
+        comm = new_communicator(max_bytes=max_bytes if mine else None, env=env if mine else None)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    comm.close()
+    return None
 
 
 def env_timeout_case(ctx, value):

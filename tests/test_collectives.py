@@ -168,11 +168,26 @@ def test_all_gather_other_dtypes_move_as_bytes_bit_exact(pool2, dtype):
     check.done()
 
 
-def test_all_gather_forced_fallback(pool2):
-    """``use_algorithm("fallback")``: torch.distributed, the same bits as the kernel."""
-    results = pool2.run(cc.all_gather_case, 3300, (5, 123), BF16, [0, 1], algo="fallback")
+@pytest.mark.parametrize("dtype", [BF16, torch.int16, torch.float8_e4m3fn], ids=dtype_name)
+def test_all_gather_forced_fallback(pool2, dtype):
+    """``use_algorithm("fallback")``: torch.distributed, the same bits as the kernel, for dtypes gloo
+    lacks too (the fallback moves bytes)."""
+    results = pool2.run(cc.all_gather_case, 3300, (5, 123), dtype, [0, 1], algo="fallback")
     check = Checks()
     _check_gather(results, "fallback", check)
+    check.done()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=dtype_name)
+@pytest.mark.parametrize("algo", ["auto", "fallback"])
+def test_unsigned_integers_on_every_path(pools, dtype, algo):
+    """uint16 / uint32 / uint64, which gloo and NCCL lack: all_reduce, reduce_scatter and all_gather
+    exact (sums wrap like a native sum) through the kernels and the fallback, 3 ranks (the results are
+    checked on the ranks: the harness cannot pickle these dtypes)."""
+    per_rank = pools.get(3).run(cc.unsigned_case, 3600, dtype_name(dtype), algo)
+    check = Checks()
+    for r, res in enumerate(per_rank):
+        check.that(res == {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}, f"rank {r}: mismatches {res}")
     check.done()
 
 
@@ -205,6 +220,8 @@ SCATTER_CASES = [
     (3, (4, 3), torch.int64, 0, None, "auto", "gather"),
     (2, (5, 40), BF16, 0, None, "fallback", False),
     (2, (13, 300), BF16, 0, 4096, "auto", True),
+    (2, (5, 7), torch.int16, 0, None, "auto", "gather"),  # a dtype gloo and NCCL lack: the kernel ...
+    (3, (4, 3), torch.int16, 0, None, "fallback", False),  # ... and the fallback (bytes + exact sum)
 ]
 
 

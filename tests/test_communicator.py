@@ -237,6 +237,26 @@ def test_two_shot_doubled_grid_never_changes_a_bit(pool):
     check.done()
 
 
+@pytest.mark.parametrize("env,max_bytes,words", [({"TPCOMM_ALGO": "bogus"}, None, "TPCOMM_ALGO"),
+                                                  ({"TPCOMM_MAX_PROGRAMS": "0"}, None, "TPCOMM_MAX_PROGRAMS"),
+                                                  (None, -5, "max_bytes")], ids=["algo", "programs", "max_bytes"])
+def test_a_rank_that_refuses_its_set_up_stops_every_rank(pool, env, max_bytes, words):
+    """A bad variable or argument on the last rank only: that rank raises its own error, every other rank
+    a ValueError naming it, at once (none waits in a set-up collective for the rank that left)."""
+    bad = pool.world_size - 1
+    results = pool.run(rank_cases.refused_setup_case, bad, env, max_bytes)
+    check = Checks()
+    for r, res in enumerate(results):
+        check.that(res is not None, f"rank {r}: the Communicator was created")
+        if res is None:
+            continue
+        kind, message, seconds = res
+        check.that(words in message, f"rank {r}: {kind}: {message!r} does not name {words}")
+        check.that(r == bad or f"rank {bad}" in message, f"rank {r}: {message!r} does not name rank {bad}")
+        check.that(seconds < 20, f"rank {r}: raised after {seconds:.1f} s")
+    check.done()
+
+
 def test_timeout_from_environment(pool2):
     """TPCOMM_TIMEOUT_S sets the kernels' timeout when timeout_s is not given."""
     results = pool2.run(rank_cases.env_timeout_case, "2.5")

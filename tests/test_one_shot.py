@@ -176,6 +176,18 @@ def test_all_reduce_out(pool, algo, dtype, shape, out_mode):
     check.done()
 
 
+@pytest.mark.parametrize("k", [1, -1, 16])
+@pytest.mark.parametrize("algo,dtype", ALGO_DTYPES)
+def test_all_reduce_out_overlapping_x(pool, algo, dtype, k):
+    """``out`` and ``x`` views of one buffer, ``out`` ``k`` elements after ``x`` (partly overlapping,
+    not in place): the exact sum all the same (``x`` is reduced from a copy)."""
+    results = pool.run(rank_cases.all_reduce_case, 810, (4100,), dtype, out_mode=f"overlap{k}", algo=algo)
+    check = Checks()
+    for r, res in enumerate(results):
+        check(assert_same_bits, res["y"], res["ref"], f"rank {r} all_reduce, out {k} elements after x")
+    check.done()
+
+
 # -- special values -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo,dtype", ALGO_DTYPES)
 def test_negative_zero_gives_positive_zero(pool, algo, dtype):

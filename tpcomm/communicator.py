@@ -52,6 +52,22 @@ def _strides_may_overlap(t: torch.Tensor) -> bool:
     return False
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` byte addresses ``t``'s elements occupy (strides are non-negative in torch)."""
+    last = sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _partly_overlaps(out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``out`` and ``x`` share memory without being the same view (``out=x`` is in place,
+    which the kernels support): e.g. ``out=buf[:-1]`` with ``x=buf[1:]``."""
+    if out.numel() == 0 or x.numel() == 0 or out.device != x.device:
+        return False
+    same_view = (out.data_ptr() == x.data_ptr() and out.stride() == x.stride() and out.shape == x.shape)
+    (a0, a1), (b0, b1) = _span(out), _span(x)
+    return not same_view and a0 < b1 and b0 < a1
+
+
 class Communicator:
     """Tensor-parallel collectives for one process group, on the GPUs of one node or on CPU ranks.
 
@@ -85,7 +101,10 @@ class Communicator:
     ops of :mod:`tpcomm.ops`, which find it through a weak registry.
 
     Raises:
-        ValueError: ``max_bytes`` or ``timeout_s`` is out of range, or ``max_bytes`` differs between ranks.
+        TypeError, ValueError: ``max_bytes`` or ``timeout_s`` is out of range or of the wrong type, or a
+            ``TPCOMM_*`` variable is invalid, on this rank; on the other ranks a ValueError naming the
+            rank that refused (every rank raises, none waits for it); or ``max_bytes`` differs between
+            ranks.
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -93,10 +112,39 @@ class Communicator:
             raise RuntimeError("Communicator: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first (or use tpcomm.launch)")
         self.group = group if group is not None else dist.group.WORLD
-        self.handle = next(_NEXT_HANDLE)  # this process's name for it in the torch.library ops (tpcomm.ops)
-        _BY_HANDLE[self.handle] = self
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        # Arguments and TPCOMM_* variables are checked on every rank, and a rank that refuses them tells
+        # the others before anyone waits in a set-up collective for it.
+        error = None
+        try:
+            self._configure(max_bytes, timeout_s)
+        except (TypeError, ValueError) as e:
+            error = e
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
+                               group=self.group)
+        if error is not None:
+            raise error
+        refused = [(r, e) for r, e in enumerate(errors) if e]
+        if refused:
+            r, e = refused[0]
+            raise ValueError(f"Communicator: rank {r} refused its arguments or environment ({e})")
+        self.handle = next(_NEXT_HANDLE)  # this process's name for it in the torch.library ops (tpcomm.ops)
+        _BY_HANDLE[self.handle] = self
+        self.workspace: Workspace | None = None
+        self._lock = threading.Lock()
+        self._last_stream = None
+        self._signatures: dict[int, str] = {}  # signature -> op, for error messages
+        self._sig_by_key: dict[tuple, int] = {}  # (op, fields) -> signature
+        self._plans: dict = {}  # plan() per call shape: the plan is a pure function of it
+        self.table = self._load_table()
+        self.fallback_reason = self._set_up()
+        self._closed = False
+
+    def _configure(self, max_bytes: int | None, timeout_s: float | None) -> None:
+        """Read ``TPCOMM_*``, pick the device and check ``max_bytes`` and ``timeout_s``. Local (no
+        collective); raises TypeError or ValueError."""
         self.env = read_env()
         backend = str(dist.get_backend(self.group))
         if "nccl" in backend and torch.cuda.is_available():
@@ -116,15 +164,6 @@ class Communicator:
             raise ValueError(f"Communicator: timeout_s must be positive and finite, got {timeout_s}")
         self.max_bytes = max_bytes
         self.algorithm = self.env.algo
-        self.workspace: Workspace | None = None
-        self._lock = threading.Lock()
-        self._last_stream = None
-        self._signatures: dict[int, str] = {}  # signature -> op, for error messages
-        self._sig_by_key: dict[tuple, int] = {}  # (op, fields) -> signature
-        self._plans: dict = {}  # plan() per call shape: the plan is a pure function of it
-        self.table = self._load_table()
-        self.fallback_reason = self._set_up()
-        self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------------
     def _load_table(self) -> dispatch.CrossoverTable:
@@ -200,7 +239,8 @@ class Communicator:
                 all-gather kernel and summed exactly in int64, wrapping like a native sum; through
                 ``torch.distributed`` when the group has no workspace), on this communicator's device.
                 Non-contiguous inputs are copied first.
-            out: optional output of ``x``'s shape, dtype and device; may be ``x`` itself (in place).
+            out: optional output of ``x``'s shape, dtype and device; may be ``x`` itself (in place), or
+                overlap ``x`` in any other way (then ``x`` is copied first, so the result is still exact).
         Returns:
             ``out`` (or a new tensor): ``T(+0.0 + f32(x_0) + ... + f32(x_{W-1}))``, the same bits on
             every rank and for every algorithm. Safe in CUDA graphs.
@@ -236,7 +276,9 @@ class Communicator:
         if plan.algorithm == "fallback":
             out.copy_(reference.all_reduce_reference(x, self.group))
             return out
-        src = x.contiguous().view(-1)
+        # an out that overlaps x other than in place would be written while peers and this rank still
+        # read x: reduce from a copy
+        src = (x.clone(memory_format=torch.contiguous_format) if _partly_overlaps(out, x) else x.contiguous()).view(-1)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
                        gemma=False, call=(tuple(x.shape),))

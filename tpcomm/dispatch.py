@@ -33,7 +33,8 @@ ALGORITHMS = ("lamport", "one_shot", "two_shot")
 OPS = ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter")
 
 #: Widest tile of a row held at once. 8192 float32 accumulators over 8 warps are 32 registers a thread;
-#: wider rows run in several tiles with a second pass (DESIGN.md; e.g. H = 16384 takes two).
+#: wider rows run in several tiles with a second pass (``kernels/epilogue.reduce_norm_row``; e.g.
+#: H = 16384 takes two).
 MAX_BLOCK_H = 8192
 
 #: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many
@@ -56,8 +57,9 @@ class RowConfig:
             with 16 warps against 6.4 / 7.7 / 8.9 / 13.1 with 8 and 8.4 / 9.4 / 10.3 / 15.5 with 4; at
             hidden 6144 (tile 8192) 16 and 8 warps were within run-to-run noise
             (docs/data/dev_warps_h*_2xH200.log). Two-shot runs rows of one tile of 4096+ elements with
-            8 warps and twice the programs (:func:`row_config`). The warps never change a bit: the norm's sum is taken by
-            pairs whatever the layout (``kernels/epilogue.tree_sum``), and the amax is a max.
+            8 warps and twice the programs (:func:`row_config`). The warps never change a bit: the
+            norm's sum is taken by pairs whatever the layout (``kernels/epilogue.tree_sum``), and the
+            amax is a max.
         max_programs: the grid cap of this launch: the one agreed by all ranks at set-up (twice it for
             two-shot's rows of one tile of 4096+ elements).
     """

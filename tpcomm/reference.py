@@ -111,13 +111,19 @@ def all_reduce_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     """Contract-exact all-reduce through ``torch.distributed`` (the fallback).
 
     Collective: every rank of ``group`` calls it with the same shape and dtype. Float inputs are
-    gathered and summed in rank order in float32; integer inputs go through ``dist.all_reduce``.
+    gathered and summed in rank order in float32; integer inputs are gathered as bytes (gloo and NCCL
+    have no int16, uint16 or uint32) and summed in int64, wrapping like a native sum (as the kernel path,
+    ``Communicator._integer_sum``); bool and complex go through ``dist.all_reduce``.
     Returns a new tensor shaped like ``x``.
     """
-    if not x.is_floating_point():
+    if x.dtype == torch.bool or x.is_complex():
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
+    if not x.is_floating_point():
+        world = dist.get_world_size(group)
+        g = all_gather_reference(x.reshape(1, -1), group)
+        return g.view(world, -1).to(torch.int64).sum(0).to(x.dtype).view(x.shape)
     world = dist.get_world_size(group)
     flat = x.contiguous().reshape(-1)
     gathered = torch.empty(world * flat.numel(), dtype=x.dtype, device=x.device)
@@ -141,11 +147,10 @@ def share_bounds(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
 
 def all_gather_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0 in rank order (``(W * T, ...)``), through
-    ``torch.distributed`` (the fallback). Collective: every rank passes the same shape and dtype."""
+    ``torch.distributed`` (the fallback). Collective: every rank passes the same shape and dtype. The
+    bytes move as uint8, so every dtype works (gloo has no FP8, int16, uint16 or uint32)."""
     world = dist.get_world_size(group)
-    flat = x.contiguous().reshape(-1)
-    if x.dtype.is_floating_point and x.element_size() == 1:  # FP8: gloo has no such type; move the bytes
-        flat = flat.view(torch.uint8)
+    flat = x.contiguous().reshape(-1).view(torch.uint8)
     gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=x.device)
     _all_gather_flat(gathered, flat, group=group)
     return gathered.view(x.dtype).view(world * x.shape[0], *x.shape[1:])
@@ -153,8 +158,8 @@ def all_gather_reference(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def reduce_scatter_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's share (:func:`share_bounds`) of the rank-order sum of every rank's ``x`` along dim 0,
-    through ``torch.distributed`` (the fallback): float inputs are gathered and summed in float32 in rank
-    order, integer inputs go through ``dist.all_reduce``. Collective."""
+    through ``torch.distributed`` (the fallback): :func:`all_reduce_reference`, then this rank's rows.
+    Collective."""
     start, length = share_bounds(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
     return all_reduce_reference(x, group)[start:start + length].clone()
 

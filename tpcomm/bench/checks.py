@@ -1,8 +1,8 @@
 """Inputs, expected results and the correctness check that every contender passes before it is timed.
 
 Every rank's input comes from a seed that every rank knows, so each rank computes the expected result of
-every op itself, from all ranks' inputs, with :mod:`tpcomm.reference` (the numerics contract of
-DESIGN.md). Each contender is checked on fresh inputs of its own (another seed), with its outputs
+every op itself, from all ranks' inputs, with :mod:`tpcomm.reference` (the numerics contract,
+docs/numerics.md). Each contender is checked on fresh inputs of its own (another seed), with its outputs
 poisoned (NaN) where it lets the caller pass them.
 
 Two strictnesses:
