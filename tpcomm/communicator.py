@@ -537,6 +537,8 @@ class Communicator:
         """
         from .env import ALGO_CHOICES
 
+        if isinstance(algorithm, str):
+            algorithm = algorithm.strip().lower()  # as TPCOMM_ALGO is read
         if algorithm not in ALGO_CHOICES:
             raise ValueError(f"use_algorithm: algorithm must be one of {ALGO_CHOICES}, got {algorithm!r}")
         before, self.algorithm = self.algorithm, algorithm
