@@ -9,7 +9,6 @@ checked bit for bit against ``tpcomm.reference`` first. Not a published number (
     PYTHONPATH=. python benchmarks/dev_decode.py --variants base,acq_rel_finish,tl_sum [--out DIR]
 """
 import argparse
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dev_fused import graph_time  # noqa: E402
+from dev_fused import graph_time, run_variants  # noqa: E402
 from dev_single import VARIANTS  # noqa: E402
 
 H = 6144
@@ -63,8 +62,6 @@ def body(rank, world, variant):
 
 
 def main():
-    from tpcomm.launch import RankFailure, launch
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="base")
     ap.add_argument("--out", default=".")
@@ -73,23 +70,7 @@ def main():
     unknown = [name for v in variants for name in v.split("+") if name != "base" and name not in VARIANTS]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; choose from base, {', '.join(VARIANTS)} (joined with +)")
-    results, ok = {}, True
-    for i, variant in enumerate(variants):
-        try:
-            res = launch(body, 2, "cuda", args=(variant,))
-        except RankFailure as e:  # a variant that breaks the protocol: report it, time the others
-            ok = False
-            print(json.dumps(dict(variant=variant, failed=str(e).splitlines()[-1])), flush=True)
-            continue
-        ok &= all(r[0] for r in res)
-        results[variant if variant not in results else f"{variant}#{i}"] = res[0][1]
-        for row in res[0][1]:
-            print(json.dumps(dict(variant=variant, **row)), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dev_decode.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("ALL EXACT" if ok else "MISMATCH")
-    sys.exit(0 if ok else 1)
+    run_variants(body, variants, args.out, "dev_decode.json")
 
 
 if __name__ == "__main__":

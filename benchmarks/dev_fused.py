@@ -43,6 +43,35 @@ def graph_time(fn, calls=50, replays=30):
     return float(t.median())
 
 
+def run_variants(body, variants, out_dir, json_name, key="variant", before=None):
+    """Run ``body(rank, world, variant)`` on 2 GPU ranks per variant (fresh processes each, so a variant's
+    patches apply before anything compiles; ``before(variant)`` runs first in this process, e.g. to set
+    environment variables the ranks inherit). ``body`` returns ``(exact, rows)``. Prints every row as a
+    JSON line, writes ``{variant: rows}`` to ``out_dir/json_name`` and exits 0 only when every variant
+    ran and every output was exact."""
+    from tpcomm.launch import RankFailure, launch
+
+    results, ok = {}, True
+    for i, variant in enumerate(variants):
+        if before is not None:
+            before(variant)
+        try:
+            res = launch(body, 2, "cuda", args=(variant,), timeout_s=300)
+        except RankFailure as e:  # a variant that breaks the protocol: report it, time the others
+            ok = False
+            print(json.dumps({key: variant, "failed": str(e).splitlines()[-1]}), flush=True)
+            continue
+        ok &= all(r[0] for r in res)
+        results[variant if variant not in results else f"{variant}#{i}"] = res[0][1]
+        for row in res[0][1]:
+            print(json.dumps({key: variant, **row}), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, json_name), "w") as f:
+        json.dump(results, f, indent=1)
+    print("ALL EXACT" if ok else "MISMATCH")
+    sys.exit(0 if ok else 1)
+
+
 def body(rank, world, outdir):
     import tpcomm
     from tpcomm.reference import add_rmsnorm_reference, reduce_in_rank_order

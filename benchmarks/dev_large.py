@@ -11,7 +11,6 @@ launch. Every output is checked bit for bit against ``tpcomm.reference`` first. 
     PYTHONPATH=. python benchmarks/dev_large.py --settings base,mb64,mp528,w8 [--out DIR]
 """
 import argparse
-import json
 import os
 import re
 import sys
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dev_fused import graph_time  # noqa: E402
+from dev_fused import graph_time, run_variants  # noqa: E402
 from dev_single import _patch_warps  # noqa: E402
 
 H = 6144
@@ -96,9 +95,16 @@ def body(rank, world, setting):
     return ok, rows
 
 
-def main():
-    from tpcomm.launch import RankFailure, launch
+def set_programs(setting):
+    """``TPCOMM_MAX_PROGRAMS`` for the ranks of ``setting`` (unset without ``mp``)."""
+    knobs = parse(setting)
+    if "mp" in knobs:
+        os.environ["TPCOMM_MAX_PROGRAMS"] = str(knobs["mp"])
+    else:
+        os.environ.pop("TPCOMM_MAX_PROGRAMS", None)
 
+
+def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--settings", default="base")
     ap.add_argument("--out", default=".")
@@ -109,28 +115,7 @@ def main():
             parse(s)
         except ValueError as e:
             ap.error(f"--settings: {e}")
-    results, ok = {}, True
-    for setting in settings:
-        knobs = parse(setting)
-        if "mp" in knobs:
-            os.environ["TPCOMM_MAX_PROGRAMS"] = str(knobs["mp"])
-        else:
-            os.environ.pop("TPCOMM_MAX_PROGRAMS", None)
-        try:
-            res = launch(body, 2, "cuda", args=(setting,), timeout_s=300)
-        except RankFailure as e:
-            ok = False
-            print(json.dumps(dict(setting=setting, failed=str(e).splitlines()[-1])), flush=True)
-            continue
-        ok &= all(r[0] for r in res)
-        results[setting] = res[0][1]
-        for row in res[0][1]:
-            print(json.dumps(dict(setting=setting, **row)), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dev_large.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("ALL EXACT" if ok else "MISMATCH")
-    sys.exit(0 if ok else 1)
+    run_variants(body, settings, args.out, "dev_large.json", key="setting", before=set_programs)
 
 
 if __name__ == "__main__":
