@@ -43,7 +43,7 @@ def graph_time(fn, calls=50, replays=30):
     return float(t.median())
 
 
-def run_variants(body, variants, out_dir, json_name, key="variant", before=None):
+def run_variants(body, variants, out_dir, json_name, key="variant", before=None, timeout_s=600):
     """Run ``body(rank, world, variant)`` on 2 GPU ranks per variant (fresh processes each, so a variant's
     patches apply before anything compiles; ``before(variant)`` runs first in this process, e.g. to set
     environment variables the ranks inherit). ``body`` returns ``(exact, rows)``. Prints every row as a
@@ -56,7 +56,7 @@ def run_variants(body, variants, out_dir, json_name, key="variant", before=None)
         if before is not None:
             before(variant)
         try:
-            res = launch(body, 2, "cuda", args=(variant,), timeout_s=300)
+            res = launch(body, 2, "cuda", args=(variant,), timeout_s=timeout_s)
         except RankFailure as e:  # a variant that breaks the protocol: report it, time the others
             ok = False
             print(json.dumps({key: variant, "failed": str(e).splitlines()[-1]}), flush=True)

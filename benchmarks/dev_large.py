@@ -65,7 +65,8 @@ def body(rank, world, setting):
                 and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sc, sc_ref))
         ok &= good
         calls = 10 if T < 16384 else 4
-        rows.append(dict(case="fused", T=T, exact=good, plan=comm.plan("fused_add_rmsnorm", x.numel() * 2, H, x.dtype).algorithm,
+        plan = comm.plan("fused_add_rmsnorm", x.numel() * 2, H, x.dtype).algorithm
+        rows.append(dict(case="fused", T=T, exact=good, plan=plan,
                          fused_us=graph_time(lambda: comm.fused_add_rmsnorm(x, r, w, 1e-6), calls, 15),
                          fp8_us=graph_time(lambda: comm.fused_add_rmsnorm(x, r, w, 1e-6, quant="fp8_per_token"),
                                            calls, 15)))
@@ -115,7 +116,7 @@ def main():
             parse(s)
         except ValueError as e:
             ap.error(f"--settings: {e}")
-    run_variants(body, settings, args.out, "dev_large.json", key="setting", before=set_programs)
+    run_variants(body, settings, args.out, "dev_large.json", key="setting", before=set_programs, timeout_s=300)
 
 
 if __name__ == "__main__":

@@ -700,6 +700,13 @@ def refused_setup_case(ctx, bad_rank, env, max_bytes=None):
     return None
 
 
+def use_algorithm_spelling_case(ctx, spelling):
+    """The plan of a 16-row bf16 all-reduce inside ``use_algorithm(spelling)``."""
+    comm = ctx.comm()
+    with comm.use_algorithm(spelling):
+        return comm.plan("all_reduce", 16 * 64 * 2, 64, torch.bfloat16).algorithm
+
+
 def env_timeout_case(ctx, value):
     """A communicator created with ``TPCOMM_TIMEOUT_S=value`` and no timeout_s argument."""
     comm = new_communicator(env={"TPCOMM_TIMEOUT_S": value})

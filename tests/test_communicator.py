@@ -240,10 +240,11 @@ def test_two_shot_doubled_grid_never_changes_a_bit(pool):
 @pytest.mark.parametrize("env,max_bytes,words", [({"TPCOMM_ALGO": "bogus"}, None, "TPCOMM_ALGO"),
                                                   ({"TPCOMM_MAX_PROGRAMS": "0"}, None, "TPCOMM_MAX_PROGRAMS"),
                                                   (None, -5, "max_bytes")], ids=["algo", "programs", "max_bytes"])
-def test_a_rank_that_refuses_its_set_up_stops_every_rank(pool, env, max_bytes, words):
-    """A bad variable or argument on the last rank only: that rank raises its own error, every other rank
-    a ValueError naming it, at once (none waits in a set-up collective for the rank that left)."""
-    bad = pool.world_size - 1
+@pytest.mark.parametrize("first", [False, True], ids=["last_rank", "rank0"])
+def test_a_rank_that_refuses_its_set_up_stops_every_rank(pool, env, max_bytes, words, first):
+    """A bad variable or argument on one rank only (the last, or rank 0): that rank raises its own error,
+    every other rank a ValueError naming it, at once (none waits in a set-up collective for it)."""
+    bad = 0 if first else pool.world_size - 1
     results = pool.run(rank_cases.refused_setup_case, bad, env, max_bytes)
     check = Checks()
     for r, res in enumerate(results):
@@ -255,6 +256,12 @@ def test_a_rank_that_refuses_its_set_up_stops_every_rank(pool, env, max_bytes, w
         check.that(r == bad or f"rank {bad}" in message, f"rank {r}: {message!r} does not name rank {bad}")
         check.that(seconds < 20, f"rank {r}: raised after {seconds:.1f} s")
     check.done()
+
+
+def test_use_algorithm_reads_names_as_the_environment_does(pool2):
+    """``use_algorithm(" One_Shot ")`` forces one-shot, as ``TPCOMM_ALGO=" One_Shot "`` would."""
+    results = pool2.run(rank_cases.use_algorithm_spelling_case, " One_Shot ")
+    assert all(res == "one_shot" for res in results), results
 
 
 def test_timeout_from_environment(pool2):

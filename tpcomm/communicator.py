@@ -52,20 +52,12 @@ def _strides_may_overlap(t: torch.Tensor) -> bool:
     return False
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` byte addresses ``t``'s elements occupy (strides are non-negative in torch)."""
-    last = sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) if t.numel() else -1
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
 def _partly_overlaps(out: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ``out`` and ``x`` share memory without being the same view (``out=x`` is in place,
-    which the kernels support): e.g. ``out=buf[:-1]`` with ``x=buf[1:]``."""
-    if out.numel() == 0 or x.numel() == 0 or out.device != x.device:
-        return False
-    same_view = (out.data_ptr() == x.data_ptr() and out.stride() == x.stride() and out.shape == x.shape)
-    (a0, a1), (b0, b1) = _span(out), _span(x)
-    return not same_view and a0 < b1 and b0 < a1
+    """Whether contiguous ``out`` and ``x`` of the same size and dtype share bytes without being the same
+    (``out=x`` is in place, which the kernels support): e.g. ``out=buf[:-1]`` with ``x=buf[1:]``. Only
+    then would the kernel write ``out`` while ``x`` is still read (a non-contiguous ``x`` is copied and a
+    non-contiguous ``out`` written through a staging tensor anyway)."""
+    return 0 < abs(out.data_ptr() - x.data_ptr()) < x.numel() * x.element_size()
 
 
 class Communicator:
@@ -119,19 +111,17 @@ class Communicator:
         error = None
         try:
             self._configure(max_bytes, timeout_s)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # any failure must reach every rank (they wait in the exchange below)
             error = e
         errors: list = [None] * self.world_size
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
-                               group=self.group)
+        why = None if error is None else f"{type(error).__name__}: {str(error).removeprefix('Communicator: ')}"
+        dist.all_gather_object(errors, why, group=self.group)
         if error is not None:
             raise error
-        refused = [(r, e) for r, e in enumerate(errors) if e]
+        refused = [f"rank {r} (global rank {dist.get_global_rank(self.group, r)}): {e}"
+                   for r, e in enumerate(errors) if e]
         if refused:
-            r, e = refused[0]
-            raise ValueError(f"Communicator: rank {r} refused its arguments or environment ({e})")
-        self.handle = next(_NEXT_HANDLE)  # this process's name for it in the torch.library ops (tpcomm.ops)
-        _BY_HANDLE[self.handle] = self
+            raise ValueError(f"Communicator: refused on another rank, so on every rank: {'; '.join(refused)}")
         self.workspace: Workspace | None = None
         self._lock = threading.Lock()
         self._last_stream = None
@@ -141,6 +131,8 @@ class Communicator:
         self.table = self._load_table()
         self.fallback_reason = self._set_up()
         self._closed = False
+        self.handle = next(_NEXT_HANDLE)  # this process's name for it in the torch.library ops (tpcomm.ops)
+        _BY_HANDLE[self.handle] = self
 
     def _configure(self, max_bytes: int | None, timeout_s: float | None) -> None:
         """Read ``TPCOMM_*``, pick the device and check ``max_bytes`` and ``timeout_s``. Local (no
@@ -187,22 +179,22 @@ class Communicator:
 
     def _set_up(self) -> str | None:
         """Create the workspace if every rank can; returns why not (None when it exists). Collective."""
-        info = (socket.gethostname(), self._local_programs(), self.max_bytes)
+        info = (socket.gethostname(), self._local_programs(), self.max_bytes, interpreter_enabled())
         infos: list = [None] * self.world_size
         dist.all_gather_object(infos, info, group=self.group)
-        if len({m for _, _, m in infos}) > 1:
-            raise ValueError(f"Communicator: max_bytes differs between ranks ({[m for _, _, m in infos]}); "
+        if len({m for _, _, m, _ in infos}) > 1:
+            raise ValueError(f"Communicator: max_bytes differs between ranks ({[m for _, _, m, _ in infos]}); "
                              "every rank must pass the same value")
         reason = None
         if self.world_size < 2:
             reason = "a group of one rank needs no communication"
-        elif len({h for h, _, _ in infos}) > 1:
+        elif len({h for h, _, _, _ in infos}) > 1:
             reason = "the group spans several hosts"
-        elif self.device.type == "cpu" and not interpreter_enabled():
-            reason = "CPU ranks need TRITON_INTERPRET=1 set before tpcomm is imported"
+        elif self.device.type == "cpu" and not all(i for _, _, _, i in infos):  # every rank decides alike
+            reason = "CPU ranks need TRITON_INTERPRET=1 set before tpcomm is imported (on every rank)"
         if reason is not None:
             return reason
-        max_programs = min(p for _, p, _ in infos)
+        max_programs = min(p for _, p, _, _ in infos)
         error = None
         try:
             ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s,
@@ -255,6 +247,7 @@ class Communicator:
         self._check_open(op)
         self._check_tensor(op, "x", x)
         self._check_summable(op, x)
+        overlap = False
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         else:
@@ -265,6 +258,7 @@ class Communicator:
             if _strides_may_overlap(out):
                 raise ValueError(f"{op}: out has elements that share memory (stride {tuple(out.stride())}, "
                                  "e.g. from expand()); pass a tensor whose elements are distinct")
+            overlap = x.is_contiguous() and out.is_contiguous() and _partly_overlaps(out, x)
         if x.numel() == 0:
             return out
         if self._integer_through_kernels(x):
@@ -278,7 +272,7 @@ class Communicator:
             return out
         # an out that overlaps x other than in place would be written while peers and this rank still
         # read x: reduce from a copy
-        src = (x.clone(memory_format=torch.contiguous_format) if _partly_overlaps(out, x) else x.contiguous()).view(-1)
+        src = (x.clone() if overlap else x.contiguous()).view(-1)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
                        gemma=False, call=(tuple(x.shape),))
@@ -514,7 +508,7 @@ class Communicator:
         """Integer sums go through the all-gather kernel (a copy of the bytes, with the flags' bounded
         waits and call signatures) and an exact sum here, rather than ``torch.distributed``: a peer that
         makes another call then raises instead of leaving this rank blocked in the backend, and every
-        integer dtype works (gloo has no int16, uint16 or uint32)."""
+        integer dtype works (gloo has no int16, uint16, uint32 or uint64)."""
         return (not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
                 and self.uses_kernels and self.algorithm != "fallback")
 

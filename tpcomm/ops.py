@@ -282,7 +282,9 @@ def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         comm: a :class:`tpcomm.Communicator` (or its handle from :func:`register`).
         x: any shape; bf16 / fp16 / fp32, or an integer dtype (as ``Communicator.all_reduce``: gathered
             by the all-gather kernel and summed exactly).
-        out: optional output of ``x``'s shape and dtype; may be ``x`` itself (in place).
+        out: optional output of ``x``'s shape and dtype; may be ``x`` itself (in place). Eagerly it may
+            also overlap ``x`` otherwise (as ``Communicator.all_reduce``); the op's schema does not
+            declare that aliasing, so under ``torch.compile`` pass ``x`` itself or a separate tensor.
     Returns:
         ``out``, or a new contiguous tensor shaped like ``x``.
     Raises:

@@ -107,16 +107,21 @@ def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight
     return out, residual_out
 
 
+#: dtypes whose sum gloo and NCCL both have (the fallback's all-reduce hands them to the backend).
+_BACKEND_SUMS = (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64)
+
+
 def all_reduce_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     """Contract-exact all-reduce through ``torch.distributed`` (the fallback).
 
     Collective: every rank of ``group`` calls it with the same shape and dtype. Float inputs are
-    gathered and summed in rank order in float32; integer inputs are gathered as bytes (gloo and NCCL
-    have no int16, uint16 or uint32) and summed in int64, wrapping like a native sum (as the kernel path,
-    ``Communicator._integer_sum``); bool and complex go through ``dist.all_reduce``.
+    gathered and summed in rank order in float32; int8, uint8, int32, int64, bool and complex go through
+    ``dist.all_reduce``; other integers (gloo and NCCL have no int16, uint16, uint32 or uint64) are
+    gathered as bytes and summed in int64, wrapping like a native sum (the same bits as the kernel path,
+    ``Communicator._integer_sum``).
     Returns a new tensor shaped like ``x``.
     """
-    if x.dtype == torch.bool or x.is_complex():
+    if x.dtype in _BACKEND_SUMS or x.is_complex():
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
@@ -148,7 +153,7 @@ def share_bounds(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
 def all_gather_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0 in rank order (``(W * T, ...)``), through
     ``torch.distributed`` (the fallback). Collective: every rank passes the same shape and dtype. The
-    bytes move as uint8, so every dtype works (gloo has no FP8, int16, uint16 or uint32)."""
+    bytes move as uint8, so every dtype works (gloo has no FP8, int16, uint16, uint32 or uint64)."""
     world = dist.get_world_size(group)
     flat = x.contiguous().reshape(-1).view(torch.uint8)
     gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=x.device)
