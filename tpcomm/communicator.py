@@ -182,19 +182,20 @@ class Communicator:
         info = (socket.gethostname(), self._local_programs(), self.max_bytes, interpreter_enabled())
         infos: list = [None] * self.world_size
         dist.all_gather_object(infos, info, group=self.group)
-        if len({m for _, _, m, _ in infos}) > 1:
-            raise ValueError(f"Communicator: max_bytes differs between ranks ({[m for _, _, m, _ in infos]}); "
+        hosts, programs, sizes, interpreted = zip(*infos)
+        if len(set(sizes)) > 1:
+            raise ValueError(f"Communicator: max_bytes differs between ranks ({list(sizes)}); "
                              "every rank must pass the same value")
         reason = None
         if self.world_size < 2:
             reason = "a group of one rank needs no communication"
-        elif len({h for h, _, _, _ in infos}) > 1:
+        elif len(set(hosts)) > 1:
             reason = "the group spans several hosts"
-        elif self.device.type == "cpu" and not all(i for _, _, _, i in infos):  # every rank decides alike
+        elif self.device.type == "cpu" and not all(interpreted):  # every rank decides alike
             reason = "CPU ranks need TRITON_INTERPRET=1 set before tpcomm is imported (on every rank)"
         if reason is not None:
             return reason
-        max_programs = min(p for _, p, _, _ in infos)
+        max_programs = min(programs)
         error = None
         try:
             ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s,

@@ -37,6 +37,10 @@ OPS = ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter")
 #: H = 16384 takes two).
 MAX_BLOCK_H = 8192
 
+#: Two-shot on rows of one tile of 4096+ elements runs 8-warp programs, this many times the grid cap
+#: (:func:`row_config`); the signal pad has flags for that many (``Workspace.pad_programs``).
+TWO_SHOT_GRID_FACTOR = 2
+
 #: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many
 #: elements (the result is elementwise, so the width never changes a bit).
 ALL_REDUCE_ROW = 4096
@@ -97,7 +101,7 @@ def row_config(hidden: int, max_programs: int, two_shot: bool = False) -> RowCon
     num_tiles = -(-hidden // block_h)
     num_warps = 4 if block_h <= 1024 else 8 if block_h <= 2048 else 16
     if two_shot and num_warps == 16 and num_tiles == 1:
-        return RowConfig(block_h, num_tiles, 8, 2 * max_programs)
+        return RowConfig(block_h, num_tiles, 8, TWO_SHOT_GRID_FACTOR * max_programs)
     return RowConfig(block_h, num_tiles, num_warps, max_programs)
 
 

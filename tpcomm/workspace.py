@@ -2,7 +2,7 @@
 
 Every rank holds one buffer of the same size, mapped by every other rank of the group:
 
-    [ signal pad: int64 flags [2 parities][2 phases][2 * max_programs][world_size], padded to 256 bytes ]
+    [ signal pad: int64 flags [2 parities][2 phases][pad_programs: 2 * max_programs][world_size], padded to 256 bytes ]
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
     [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
     [ Lamport call tags: int32 [2 parities][max_programs][world_size], every word 0x80008000 ]
@@ -30,6 +30,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from .dispatch import TWO_SHOT_GRID_FACTOR
+
 _ALIGN = 256
 #: Flag exchanges per launch (kernels/sync.py): two-shot signals after its scatter and its gather.
 PHASES = 2
@@ -49,9 +51,10 @@ class Workspace:
         device: ``torch.device`` of the kernels (``cuda:i`` or ``cpu``).
         slot_bytes: bytes of one slot, i.e. the largest message one launch can carry (rounded up to 256).
         lamport_slot_bytes: bytes of one Lamport slot (the largest Lamport launch).
-        max_programs: grid cap of every launch except two-shot's on rows of one tile of 4096+ elements, which run
-            8-warp programs, up to twice as many (``dispatch.row_config``); so the signal pad has
-            ``pad_programs`` (``2 * max_programs``) flags per peer, phase and parity.
+        max_programs: grid cap of every launch except two-shot's on rows of one tile of 4096+
+            elements, which run 8-warp programs, up to ``dispatch.TWO_SHOT_GRID_FACTOR`` times as many
+            (``dispatch.row_config``); the signal pad has flags for that many (``pad_programs``) per
+            peer, phase and parity.
         timeout_s: how long a kernel waits for a peer.
 
     Raises:
@@ -65,7 +68,7 @@ class Workspace:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.max_programs = max_programs
-        self.pad_programs = 2 * max_programs
+        self.pad_programs = TWO_SHOT_GRID_FACTOR * max_programs
         self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
         self.flag_bytes = _round_up(2 * PHASES * self.pad_programs * self.world_size * 8, _ALIGN)
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)

@@ -5,8 +5,8 @@ Problem: ``out = rms_norm(all_reduce(x) + residual, w, eps)`` (or the plain ``al
 
 Algorithm: program ``p`` owns rows ``p, p + G, p + 2G, ...`` (``G`` programs). It reads its rows of ``x``
 where the caller has them and stores them into slot ``rank`` of every peer's receive buffer (push: the
-faster direction over NVLink, the project's design notes), publishes one flag per peer, waits for the same program index
-of every peer, then sums its rows in rank order (its own rows straight from ``x``) and runs the epilogue.
+faster direction over NVLink), publishes one flag per peer, waits for the same program index of every
+peer, then sums its rows in rank order (its own rows straight from ``x``) and runs the epilogue.
 Each rank sends ``(W - 1) * n`` bytes; the whole call is one launch with one flag round trip.
 
 Sync protocol (see ``sync.py``): data stores → ``debug_barrier`` → ``atomic_xchg(flag, signature <<
