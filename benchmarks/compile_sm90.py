@@ -54,7 +54,7 @@ def resources(ptx):
 
 def build(fn, types, constexprs, num_warps=16):
     src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs=constexprs)
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False})
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False, "launch_pdl": True})
     size = f"{len(k.asm['cubin'])} B cubin, {num_warps} warps"
     return f"{size}, {resources(k.asm['ptx'])}" if "--regs" in sys.argv else size
 
@@ -80,7 +80,7 @@ def main():
                         continue
                     ce = {"WORLD": 2, "BLOCK_H": block, "NUM_TILES": tiles, "NORM": norm, "HAS_RESIDUAL": res,
                           "GEMMA": False, "QUANT": quant, "STORE_OUT": True, "FP8": tl.float8e4nv,
-                          "NATIVE_FP8": True, "GROUP": 128 if quant == 2 else 1}
+                          "NATIVE_FP8": True, "GROUP": 128 if quant == 2 else 1, "PDL": True}
                     t = epi_types(dt)
                     warps = dispatch.row_config(block, 1).num_warps  # as the launchers pick them
                     results.append(("one_shot", dt, block, tiles, quant, norm,
@@ -95,11 +95,11 @@ def main():
                                         build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter),
                                               dispatch.row_config(block, 1, two_shot=True).num_warps)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
-                        build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
+                        build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1, "PDL": True})))
     # every other dtype is gathered as bytes
     results.append(("all_gather", "u8", 4096, 1, 0, False,
                     build(gather._all_gather_kernel, dict(epi_types("u8"), x_ptr="*u8", out_ptr="*u8"),
-                          {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1})))
+                          {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1, "PDL": True})))
     for r in results:
         print(*r)
     print(f"compiled {len(results)} kernel variants for sm_90")

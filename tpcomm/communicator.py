@@ -122,16 +122,24 @@ class Communicator:
                    for r, e in enumerate(errors) if e]
         if refused:
             raise ValueError(f"Communicator: refused on another rank, so on every rank: {'; '.join(refused)}")
+        self._init_calls()
+        self.table = self._load_table()
+        self.fallback_reason = self._set_up()
+        self._register()
+
+    def _init_calls(self) -> None:
+        """The state calls keep (local): no workspace yet, the lock, the caches."""
         self.workspace: Workspace | None = None
         self._lock = threading.Lock()
         self._last_stream = None
         self._signatures: dict[int, str] = {}  # signature -> op, for error messages
         self._sig_by_key: dict[tuple, int] = {}  # (op, fields) -> signature
         self._plans: dict = {}  # plan() per call shape: the plan is a pure function of it
-        self.table = self._load_table()
-        self.fallback_reason = self._set_up()
         self._closed = False
-        self.handle = next(_NEXT_HANDLE)  # this process's name for it in the torch.library ops (tpcomm.ops)
+
+    def _register(self) -> None:
+        """Give this communicator its handle, its name in the torch.library ops (:mod:`tpcomm.ops`)."""
+        self.handle = next(_NEXT_HANDLE)
         _BY_HANDLE[self.handle] = self
 
     def _configure(self, max_bytes: int | None, timeout_s: float | None) -> None:
@@ -199,7 +207,8 @@ class Communicator:
         error = None
         try:
             ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s,
-                           lamport_slot_bytes=min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES))
+                           lamport_slot_bytes=min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES),
+                           pdl=self._pdl())
         except Exception as e:  # any rank's failure sends every rank to the fallback
             ws, error = None, f"workspace set-up failed on rank {self.rank}: {e}"
         errors: list = [None] * self.world_size
@@ -211,6 +220,12 @@ class Communicator:
             return failed[0]
         self.workspace = ws
         return None
+
+    def _pdl(self) -> bool:
+        """Whether kernels launch with programmatic dependent launch: ``TPCOMM_PDL`` and a GPU of compute
+        capability 9.0 or more (Hopper's ``griddepcontrol``)."""
+        return (self.env.pdl and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) >= (9, 0))
 
     def _local_programs(self) -> int:
         if self.env.max_programs is not None:

@@ -27,12 +27,15 @@ class EnvConfig:
         max_programs: ``TPCOMM_MAX_PROGRAMS``: upper bound on a kernel's grid (default: twice the
             number of SMs on CUDA, 4 under the CPU interpreter); two-shot's 8-warp programs (rows of one
             tile of 4096+ elements) run up to twice it (``dispatch.row_config``).
+        pdl: ``TPCOMM_PDL``: ``1`` (default) launches the kernels with programmatic dependent launch on
+            GPUs that have it (sm_90+), ``0`` never.
     """
 
     algo: str = "auto"
     table: str | None = None
     timeout_s: float = 30.0
     max_programs: int | None = None
+    pdl: bool = True
 
 
 def read_env() -> EnvConfig:
@@ -59,7 +62,10 @@ def read_env() -> EnvConfig:
     if max_programs is not None and max_programs < 1:
         raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer >= 1")
     table = os.environ.get("TPCOMM_DISPATCH_TABLE") or None
-    return EnvConfig(algo=algo, table=table, timeout_s=timeout_s, max_programs=max_programs)
+    pdl = (os.environ.get("TPCOMM_PDL") or "1").strip()
+    if pdl not in ("0", "1"):
+        raise ValueError(f"TPCOMM_PDL={pdl!r}: expected 0 or 1")
+    return EnvConfig(algo=algo, table=table, timeout_s=timeout_s, max_programs=max_programs, pdl=pdl == "1")
 
 
 def interpreter_enabled() -> bool:

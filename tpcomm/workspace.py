@@ -56,17 +56,30 @@ class Workspace:
             (``dispatch.row_config``); the signal pad has flags for that many (``pad_programs``) per
             peer, phase and parity.
         timeout_s: how long a kernel waits for a peer.
+        pdl: launch the kernels with programmatic dependent launch (CUDA on sm_90+ only; ignored on the
+            CPU): a kernel starts launching while the one before it on the stream finishes.
 
     Raises:
         RuntimeError: the backend could not allocate or map the buffers (the caller falls back).
     """
 
     def __init__(self, group, device: torch.device, slot_bytes: int, max_programs: int, timeout_s: float,
-                 lamport_slot_bytes: int = 0):
+                 lamport_slot_bytes: int = 0, pdl: bool = False):
         self.group = group
+        self._lay_out(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, max_programs,
+                      timeout_s, lamport_slot_bytes, pdl)
+        if device.type == "cuda":
+            bases = self._alloc_cuda()
+        else:
+            bases = self._alloc_cpu()
+        self._make_tables(bases)
+
+    def _lay_out(self, rank: int, world_size: int, device: torch.device, slot_bytes: int, max_programs: int,
+                 timeout_s: float, lamport_slot_bytes: int, pdl: bool) -> None:
+        """Sizes of the layout and local settings (no allocation, no collective)."""
         self.device = device
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = rank
+        self.world_size = world_size
         self.max_programs = max_programs
         self.pad_programs = TWO_SHOT_GRID_FACTOR * max_programs
         self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
@@ -78,13 +91,14 @@ class Workspace:
         self.total_bytes = self.flag_bytes + self.data_bytes + self.lamport_bytes + self.tag_bytes
         self.timeout_s = timeout_s
         self.timeout = int(timeout_s * 1e9)  # nanoseconds, as the kernels' waits count them
+        self.pdl = bool(pdl) and device.type == "cuda"
         self._shm_paths: list[str] = []
         self._memfd: int | None = None
         self._handle = None
-        if device.type == "cuda":
-            bases = self._alloc_cuda()
-        else:
-            bases = self._alloc_cpu()
+
+    def _make_tables(self, bases: list[int]) -> None:
+        """The peer tables from every rank's buffer address (rank order), and this rank's local state."""
+        device = self.device
         self.flag_table = torch.tensor(bases, dtype=torch.int64, device=device)
         self.buf_table = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
         self.lamport_table = torch.tensor([b + self.flag_bytes + self.data_bytes for b in bases],
@@ -93,6 +107,11 @@ class Workspace:
         self.err = torch.zeros(5, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._err_words = self.err.numpy()  # the same memory: reading it costs no torch dispatch
         self.closed = False
+
+    def launch_options(self) -> dict:
+        """Keyword arguments every communication kernel's launch takes: ``PDL`` (the kernels' constexpr,
+        :func:`tpcomm.kernels.sync.read_epoch`) and Triton's ``launch_pdl``, both ``self.pdl``."""
+        return {"PDL": self.pdl, "launch_pdl": self.pdl}
 
     # -- backends -----------------------------------------------------------------------------------
     def _alloc_cuda(self) -> list[int]:

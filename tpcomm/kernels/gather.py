@@ -23,10 +23,11 @@ from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, p
 def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                        n_rows, width, numel, out_rank_stride, row_stride, slot_stride, parity_stride,
                        pad_programs, timeout, rank, signature,
-                       WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
+                       WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+                       PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch = read_epoch(state_ptr)
+    epoch = read_epoch(state_ptr, PDL)
     timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -82,5 +83,5 @@ def all_gather(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, s
         n_rows, width, x.numel(), out_rank_stride, ws.row_stride(width, es), ws.slot_elems(es),
         ws.parity_elems(es), ws.pad_programs, ws.timeout, ws.rank, signature,
         WORLD=ws.world_size, BLOCK=cfg.block_h, NUM_TILES=cfg.num_tiles, num_warps=cfg.num_warps,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **ws.launch_options(),
     )

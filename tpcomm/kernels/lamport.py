@@ -103,10 +103,10 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                     QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                    GROUP: tl.constexpr):
+                    GROUP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch = read_epoch(state_ptr)
+    epoch = read_epoch(state_ptr, PDL)
     timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     offs = tl.arange(0, BLOCK_H)
@@ -186,5 +186,5 @@ def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps
         eps, ws.timeout, ws.rank, signature, ws.tag_offset(), ws.max_programs,
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
-        num_warps=cfg.num_warps, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
     )

@@ -25,7 +25,9 @@ Protocol:
   * Epochs advance inside the kernels: each program reads the epoch when it starts and bumps a finish
     counter when it ends; the program that brings the counter to the grid size resets it and advances
     the epoch. That program runs after every other program has read the epoch, and the next launch on the
-    stream sees the new value, so a launch of any grid size advances the epoch exactly once.
+    stream sees the new value, so a launch of any grid size advances the epoch exactly once. With
+    programmatic dependent launch the next launch's programs may start early, but they read the epoch
+    only after ``griddepcontrol.wait`` (:func:`read_epoch`), which returns once this launch has finished.
 """
 
 import time
@@ -33,6 +35,7 @@ import zlib
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..env import interpreter_enabled
 
@@ -190,8 +193,19 @@ def launch_timeout(state_ptr, timeout):
 
 
 @triton.jit
-def read_epoch(state_ptr):
-    """The epoch of this launch (``state_ptr[0]``), read once at a program's start."""
+def read_epoch(state_ptr, PDL: tl.constexpr):
+    """The epoch of this launch (``state_ptr[0]``), read once at a program's start: every kernel's first
+    global memory access.
+
+    With ``PDL`` (the launch carries programmatic dependent launch, ``Workspace.pdl``): first wait until
+    the previous kernel on the stream has finished and its writes are visible (``griddepcontrol.wait``:
+    the epoch, the re-armed buffers, the input), then let the next kernel on the stream start launching
+    (``griddepcontrol.launch_dependents``; its programs wait in their own ``read_epoch``). The next
+    launch's set-up then overlaps this kernel instead of following it.
+    """
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     return tl.load(state_ptr, volatile=True)
 
 

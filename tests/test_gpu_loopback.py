@@ -1,0 +1,170 @@
+"""tpcomm's kernels on ONE GPU, every rank a communicator of this process (``tpcomm.loopback``).
+
+Marked ``gpu``; needs one CUDA GPU (runs on the one-GPU machine too). Every algorithm, dtype and op is
+compared bit for bit with ``tpcomm.reference`` on every rank, eagerly and replayed from a CUDA graph,
+with programmatic dependent launch on and off; a rank whose peer never comes raises
+``PeerTimeoutError`` instead of hanging.
+
+    python -m pytest -q -m gpu tests/test_gpu_loopback.py
+"""
+
+import pytest
+import torch
+
+from numerics import bits
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+#: (T, H): decode, a partial last tile, prefill-like, two tiles per row (H > 8192), odd H.
+SHAPES = [(1, 6144), (16, 4096), (64, 7168), (300, 2880), (5, 16384), (7, 999)]
+ALGOS = {"lamport": (torch.bfloat16, torch.float16),
+         "one_shot": (torch.bfloat16, torch.float16, torch.float32),
+         "two_shot": (torch.bfloat16, torch.float16, torch.float32)}
+CASES = [(a, d, T, H) for a, ds in ALGOS.items() for d in ds for T, H in SHAPES]
+
+
+def _ids(c):
+    a, d, T, H = c
+    return f"{a}-{str(d)[6:]}-{T}x{H}"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["w2", "w3"])
+def group(request):
+    from tpcomm.loopback import close_group, loopback_group
+
+    ranks = loopback_group(request.param, max_bytes=8 << 20, timeout_s=20.0)
+    yield ranks
+    close_group(ranks)
+
+
+def _inputs(W, T, H, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [(torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype) for _ in range(W)]
+    res = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    w = (1 + 0.5 * torch.randn(H, device="cuda", generator=g)).to(dtype)
+    return xs, res, w
+
+
+def _same(a, b):
+    return torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_every_rank_matches_the_reference(group, case):
+    from tpcomm import reference as R
+    from tpcomm.loopback import run_ranks
+
+    algo, dtype, T, H = case
+    W = len(group)
+    xs, res, w = _inputs(W, T, H, dtype, seed=T * 131 + H)
+    s = R.reduce_in_rank_order(xs)
+    o_ref, ro_ref = R.add_rmsnorm_reference(s, res, w, 1e-6)
+    og_ref, _ = R.add_rmsnorm_reference(s, None, w, 1e-6, gemma=True)
+
+    def call(rank):
+        with rank.use_algorithm(algo):
+            x = xs[rank.rank]
+            out = dict(ar=rank.all_reduce(x), fused=rank.fused_add_rmsnorm(x, res, w, 1e-6),
+                       gemma=rank.fused_add_rmsnorm(x, None, w, 1e-6, gemma=True))
+            if dtype != torch.float32:
+                out["fp8"] = rank.fused_add_rmsnorm(x, res, w, 1e-6, quant="fp8_per_token")
+            return out
+
+    results = run_ranks(group, call)
+    torch.cuda.synchronize()
+    for r, got in enumerate(results):
+        assert _same(got["ar"], s), f"rank {r}: all_reduce"
+        assert _same(got["fused"][0], o_ref) and _same(got["fused"][1], ro_ref), f"rank {r}: fused"
+        assert _same(got["gemma"][0], og_ref), f"rank {r}: fused, Gemma norm, no residual"
+        if "fp8" in got:
+            q_ref, sc_ref = R.per_token_quant_reference(o_ref)
+            q, sc = got["fp8"][0], got["fp8"][1]
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and _same(sc, sc_ref), \
+                f"rank {r}: fused FP8"
+    for rank in group:
+        rank.check()
+
+
+@pytest.mark.parametrize("T", [1, 7, 64])
+def test_all_gather_and_reduce_scatter(group, T):
+    from tpcomm import reference as R
+    from tpcomm.loopback import run_ranks
+
+    W = len(group)
+    xs, _, _ = _inputs(W, T, 2048, torch.bfloat16, seed=T)
+    s = R.reduce_in_rank_order(xs)
+    results = run_ranks(group, lambda rank: (rank.all_gather(xs[rank.rank]), rank.reduce_scatter(xs[rank.rank])))
+    torch.cuda.synchronize()
+    for r, (gathered, share) in enumerate(results):
+        assert _same(gathered, torch.cat(xs)), f"rank {r}: all_gather"
+        assert _same(share, torch.tensor_split(s, W)[r]), f"rank {r}: reduce_scatter"
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_graph_replays_of_mixed_calls(pdl):
+    """A graph of 30 calls mixing algorithms and sizes, replayed 5 times on new inputs: the last call of
+    every kind matches the reference on every rank each time."""
+    from tpcomm import reference as R
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    ranks = loopback_group(2, max_bytes=8 << 20, timeout_s=20.0, pdl=pdl)
+    assert all(r.workspace.pdl == pdl for r in ranks)
+    try:
+        shapes = [(1, 6144), (64, 4096), (3, 6144), (512, 2048)]
+        xs = {sh: [torch.zeros(sh, device="cuda", dtype=torch.bfloat16) for _ in ranks] for sh in shapes}
+        res = {sh: torch.zeros(sh, device="cuda", dtype=torch.bfloat16) for sh in shapes}
+        w = {sh: torch.ones(sh[1], device="cuda", dtype=torch.bfloat16) for sh in shapes}
+        algos = ["lamport", "one_shot", "two_shot"]
+
+        def body():
+            outs = {}
+            for i in range(30):
+                sh, algo = shapes[i % len(shapes)], algos[i % len(algos)]
+
+                def call(rank, sh=sh, algo=algo):
+                    with rank.use_algorithm(algo):
+                        return rank.fused_add_rmsnorm(xs[sh][rank.rank], res[sh], w[sh], 1e-6)
+                outs[sh] = run_ranks(ranks, call)
+            return outs
+
+        body()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = body()
+        for rep in range(5):
+            g = torch.Generator(device="cuda").manual_seed(rep)
+            for sh in shapes:
+                for x in xs[sh]:
+                    x.copy_(torch.randn(sh, device="cuda", generator=g))
+                res[sh].copy_(torch.randn(sh, device="cuda", generator=g))
+                w[sh].copy_(1 + torch.randn(sh[1], device="cuda", generator=g) / 2)
+            graph.replay()
+            torch.cuda.synchronize()
+            for sh in shapes:
+                o_ref, ro_ref = R.add_rmsnorm_reference(R.reduce_in_rank_order(xs[sh]), res[sh], w[sh], 1e-6)
+                for r, (o, ro) in enumerate(outs[sh]):
+                    assert _same(o, o_ref) and _same(ro, ro_ref), f"replay {rep}, {sh}, rank {r}"
+        for rank in ranks:
+            rank.check()
+    finally:
+        close_group(ranks)
+
+
+@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot"])
+def test_a_missing_peer_raises_instead_of_hanging(algo):
+    """Only rank 0 calls: its kernel gives up after the timeout and the next call raises."""
+    from tpcomm.errors import PeerTimeoutError
+    from tpcomm.loopback import close_group, loopback_group
+
+    ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=0.5)
+    try:
+        x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.cuda.stream(ranks[0].stream), ranks[0].use_algorithm(algo):
+            ranks[0].all_reduce(x)
+            torch.cuda.synchronize()
+            with pytest.raises(PeerTimeoutError):
+                ranks[0].all_reduce(x)
+    finally:
+        close_group(ranks)

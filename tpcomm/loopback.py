@@ -1,0 +1,136 @@
+"""Several ranks in one process on one GPU: tpcomm's kernels and protocol without a second GPU.
+
+Problem: a machine with one GPU cannot run tpcomm's kernels the usual way (one process per GPU, an NCCL
+group). Here every rank is a :class:`~tpcomm.Communicator` of the same process on the same GPU: each
+rank's workspace is a plain device allocation, every rank's peer tables hold all of their addresses (in
+rank order, as ``torch.distributed._symmetric_memory`` gives them on several GPUs), and rank ``r``'s
+kernels are issued on its own stream, so the ranks' kernels run side by side as they would on separate
+GPUs. The flags, the Lamport buffers, the waits and the bits of every output are the real ones; the
+peers' stores land in the same GPU's memory instead of crossing NVLink, so timings show the kernels'
+own costs, not a multi-GPU machine's.
+
+For tests and kernel experiments on a one-GPU machine (``tests/test_gpu_loopback.py``,
+``benchmarks/dev_loopback.py``); not for models.
+
+Limits:
+  * The ranks' programs must be resident together, since a program that waits for a peer holds its SM
+    until the peer's same program has run: ``max_programs`` defaults to the SM count over
+    ``2 * world_size`` (two-shot runs up to twice that, ``dispatch.row_config``).
+  * No process group: a call whose plan is the ``torch.distributed`` fallback raises ``RuntimeError``.
+  * Issue every rank's part of a collective before waiting for any of it (:func:`run_ranks`): a rank's
+    kernel spins on the GPU until its peers' kernels run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import dispatch
+from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator
+from .env import read_env
+from .workspace import Workspace
+
+
+class LoopbackRank(Communicator):
+    """One rank of a loopback group (:func:`loopback_group`): a Communicator whose peers are other
+    communicators of this process on the same GPU. Its kernels run on :attr:`stream` (use
+    :func:`run_ranks`, or ``torch.cuda.stream(rank.stream)``). Ops and arguments as
+    :class:`~tpcomm.Communicator`; what a real group would send to ``torch.distributed`` raises
+    ``RuntimeError`` instead."""
+
+    def __init__(self, rank: int, world_size: int, workspace: Workspace, max_bytes: int, timeout_s: float):
+        self.group = None
+        self.rank = rank
+        self.world_size = world_size
+        self.env = read_env()
+        self.device = workspace.device
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.algorithm = self.env.algo
+        self._init_calls()
+        self.table = dispatch.load_table(self.env.table) if self.env.table else dispatch.DEFAULT_TABLE
+        self.workspace = workspace
+        self.fallback_reason = None
+        self.stream = torch.cuda.Stream(self.device)
+        self._register()
+
+    def _make_plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
+        plan = super()._make_plan(op, nbytes, hidden, dtype)
+        if plan.algorithm == "fallback":
+            raise RuntimeError(f"{op}: a loopback group has no torch.distributed fallback, and this call "
+                               f"would take it ({plan.reason})")
+        return plan
+
+
+def loopback_group(world_size: int, device: torch.device | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES_CUDA,
+                   timeout_s: float = 10.0, max_programs: int | None = None,
+                   pdl: bool | None = None) -> list[LoopbackRank]:
+    """``world_size`` ranks on one GPU, in rank order.
+
+    Args:
+        world_size: ranks (>= 2).
+        device: the GPU (default: the current CUDA device).
+        max_bytes: bytes one launch carries per rank (the Communicator's ``max_bytes``).
+        timeout_s: seconds a kernel waits for a peer.
+        max_programs: grid cap; default ``SMs // (2 * world_size)``, so every rank's programs fit the GPU
+            at once (module docstring).
+        pdl: programmatic dependent launch; default as ``TPCOMM_PDL`` and the GPU allow.
+    Returns:
+        ``world_size`` :class:`LoopbackRank`; close each (or :func:`close_group`) when done.
+    Raises:
+        ValueError: ``world_size`` < 2, ``max_programs`` < 1, or ``device`` is not a CUDA device.
+        RuntimeError: CUDA is not available.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"loopback_group: world_size must be an int >= 2, got {world_size!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("loopback_group: needs a CUDA GPU (the CPU interpreter runs one kernel at a time)")
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        raise ValueError(f"loopback_group: device must be a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    if max_programs is None:
+        max_programs = max(1, props.multi_processor_count // (2 * world_size))
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+        raise ValueError(f"loopback_group: max_programs must be an int >= 1, got {max_programs!r}")
+    if pdl is None:
+        pdl = read_env().pdl and (props.major, props.minor) >= (9, 0)
+    workspaces = []
+    for r in range(world_size):
+        ws = Workspace.__new__(Workspace)
+        ws.group = None
+        ws._lay_out(r, world_size, device, max_bytes, max_programs, timeout_s,
+                    min(max_bytes, dispatch.LAMPORT_MAX_BYTES), pdl)
+        ws.buffer = torch.empty(ws.total_bytes, dtype=torch.uint8, device=device)
+        ws._arm(ws.buffer)
+        workspaces.append(ws)
+    bases = [int(ws.buffer.data_ptr()) for ws in workspaces]
+    for ws in workspaces:
+        ws._make_tables(bases)
+    torch.cuda.synchronize(device)
+    return [LoopbackRank(r, world_size, ws, max_bytes, timeout_s) for r, ws in enumerate(workspaces)]
+
+
+def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> list:
+    """Issue ``fn(rank)`` for every rank on that rank's stream, after the work already on the current
+    stream (and inside a CUDA graph capture, into the graph); the current stream then waits for every
+    rank. Returns ``fn``'s results in rank order (tensors are ready once the current stream gets there)."""
+    current = torch.cuda.current_stream(ranks[0].device)
+    results = []
+    for rank in ranks:
+        rank.stream.wait_stream(current)
+        with torch.cuda.stream(rank.stream):
+            results.append(fn(rank))
+    for rank in ranks:
+        current.wait_stream(rank.stream)
+    return results
+
+
+def close_group(ranks: list[LoopbackRank]) -> None:
+    """Close every rank (after their calls have completed)."""
+    for rank in ranks:
+        rank.close()
