@@ -62,24 +62,25 @@ def test_every_rank_matches_the_reference(group, case):
     o_ref, ro_ref = R.add_rmsnorm_reference(s, res, w, 1e-6)
     og_ref, _ = R.add_rmsnorm_reference(s, None, w, 1e-6, gemma=True)
 
-    def call(rank):
-        with rank.use_algorithm(algo):
-            x = xs[rank.rank]
-            out = dict(ar=rank.all_reduce(x), fused=rank.fused_add_rmsnorm(x, res, w, 1e-6),
-                       gemma=rank.fused_add_rmsnorm(x, None, w, 1e-6, gemma=True))
-            if dtype != torch.float32:
-                out["fp8"] = rank.fused_add_rmsnorm(x, res, w, 1e-6, quant="fp8_per_token")
-            return out
+    def each(fn):  # one op on every rank, then the next (see run_ranks)
+        def call(rank):
+            with rank.use_algorithm(algo):
+                return fn(rank, xs[rank.rank])
+        return run_ranks(group, call)
 
-    results = run_ranks(group, call)
+    got = dict(ar=each(lambda rank, x: rank.all_reduce(x)),
+               fused=each(lambda rank, x: rank.fused_add_rmsnorm(x, res, w, 1e-6)),
+               gemma=each(lambda rank, x: rank.fused_add_rmsnorm(x, None, w, 1e-6, gemma=True)))
+    if dtype != torch.float32:
+        got["fp8"] = each(lambda rank, x: rank.fused_add_rmsnorm(x, res, w, 1e-6, quant="fp8_per_token"))
     torch.cuda.synchronize()
-    for r, got in enumerate(results):
-        assert _same(got["ar"], s), f"rank {r}: all_reduce"
-        assert _same(got["fused"][0], o_ref) and _same(got["fused"][1], ro_ref), f"rank {r}: fused"
-        assert _same(got["gemma"][0], og_ref), f"rank {r}: fused, Gemma norm, no residual"
+    for r in range(W):
+        assert _same(got["ar"][r], s), f"rank {r}: all_reduce"
+        assert _same(got["fused"][r][0], o_ref) and _same(got["fused"][r][1], ro_ref), f"rank {r}: fused"
+        assert _same(got["gemma"][r][0], og_ref), f"rank {r}: fused, Gemma norm, no residual"
         if "fp8" in got:
             q_ref, sc_ref = R.per_token_quant_reference(o_ref)
-            q, sc = got["fp8"][0], got["fp8"][1]
+            q, sc = got["fp8"][r][0], got["fp8"][r][1]
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and _same(sc, sc_ref), \
                 f"rank {r}: fused FP8"
     for rank in group:
@@ -94,9 +95,10 @@ def test_all_gather_and_reduce_scatter(group, T):
     W = len(group)
     xs, _, _ = _inputs(W, T, 2048, torch.bfloat16, seed=T)
     s = R.reduce_in_rank_order(xs)
-    results = run_ranks(group, lambda rank: (rank.all_gather(xs[rank.rank]), rank.reduce_scatter(xs[rank.rank])))
+    gathered = run_ranks(group, lambda rank: rank.all_gather(xs[rank.rank]))
+    shares = run_ranks(group, lambda rank: rank.reduce_scatter(xs[rank.rank]))
     torch.cuda.synchronize()
-    for r, (gathered, share) in enumerate(results):
+    for r, (gathered, share) in enumerate(zip(gathered, shares)):
         assert _same(gathered, torch.cat(xs)), f"rank {r}: all_gather"
         assert _same(share, torch.tensor_split(s, W)[r]), f"rank {r}: reduce_scatter"
 

@@ -17,8 +17,8 @@ Limits:
     until the peer's same program has run: ``max_programs`` defaults to the SM count over
     ``2 * world_size`` (two-shot runs up to twice that, ``dispatch.row_config``).
   * No process group: a call whose plan is the ``torch.distributed`` fallback raises ``RuntimeError``.
-  * Issue every rank's part of a collective before waiting for any of it (:func:`run_ranks`): a rank's
-    kernel spins on the GPU until its peers' kernels run.
+  * Issue every rank's part of a collective before the next collective, and before waiting for any of
+    it (:func:`run_ranks`): a rank's kernel spins on the GPU until its peers' kernels run.
 """
 
 from __future__ import annotations
@@ -118,7 +118,11 @@ def loopback_group(world_size: int, device: torch.device | str | None = None, ma
 def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> list:
     """Issue ``fn(rank)`` for every rank on that rank's stream, after the work already on the current
     stream (and inside a CUDA graph capture, into the graph); the current stream then waits for every
-    rank. Returns ``fn``'s results in rank order (tensors are ready once the current stream gets there)."""
+    rank. Returns ``fn``'s results in rank order (tensors are ready once the current stream gets there).
+
+    ``fn`` should make one collective call: rank 0's kernel waits on the GPU while the host issues the
+    other ranks' launches, so several calls in one ``fn`` (each compiling its kernel on first use) can
+    keep the peers' launches of the first call back past the timeout."""
     current = torch.cuda.current_stream(ranks[0].device)
     results = []
     for rank in ranks:
