@@ -16,6 +16,10 @@ Limits:
   * The ranks' programs must be resident together, since a program that waits for a peer holds its SM
     until the peer's same program has run: ``max_programs`` defaults to the SM count over
     ``2 * world_size`` (two-shot runs up to twice that, ``dispatch.row_config``).
+  * Every rank must run the same kernel binaries: a rank whose launch loaded a new CUDA module while a
+    peer's kernel was spinning would wait for that kernel to end (module loading waits for the GPU),
+    and that kernel waits for it. So the kernels never specialise on ``rank`` (``do_not_specialize``),
+    and nothing else a launch passes differs between ranks.
   * No process group: a call whose plan is the ``torch.distributed`` fallback raises ``RuntimeError``.
   * Issue every rank's part of a collective before the next collective, and before waiting for any of
     it (:func:`run_ranks`): a rank's kernel spins on the GPU until its peers' kernels run.

@@ -19,7 +19,7 @@ import triton.language as tl
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                        n_rows, width, numel, out_rank_stride, row_stride, slot_stride, parity_stride,
                        pad_programs, timeout, rank, signature,

@@ -95,7 +95,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, sign
     return timeout
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                     buf_table_ptr, state_ptr, err_ptr,
                     n_rows, H, numel, row_stride, slot_stride, parity_stride,

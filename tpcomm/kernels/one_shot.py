@@ -27,7 +27,7 @@ from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, no_quant_args, preload_row, re
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, pad_programs,

@@ -65,7 +65,7 @@ def share_len(o, n_rows, WORLD: tl.constexpr):
     return tl.where(o < n_rows % WORLD, base + 1, base)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
                      buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, j0, n_local, H, numel, row_stride, slot_stride, half_stride, parity_stride,
