@@ -1,33 +1,39 @@
 """Decode-sized calls on ONE GPU, ranks as loopback communicators (``tpcomm.loopback``): CUDA-graph
-timings per setting, every output first checked bit for bit against ``tpcomm.reference``.
+timings per kernel variant (``dev_single.VARIANTS``, joined with ``+``; ``no_pdl`` sets
+``TPCOMM_PDL=0``), every output first checked bit for bit against ``tpcomm.reference``.
 
 The peers' data never crosses NVLink here, so these numbers are the kernels' own costs (launch, sync,
-epilogue), not what 2 GPUs take; use them to compare kernel settings on a one-GPU machine, and
-``dev_decode.py`` / ``tpcomm bench`` on several GPUs for real numbers.
+epilogue), not what 2 GPUs take; use them to compare kernel variants on a one-GPU machine, and
+``dev_decode.py`` / ``tpcomm bench`` on several GPUs for real numbers. Each variant runs in a fresh
+process (its patches apply before anything compiles).
 
-    PYTHONPATH=. python benchmarks/dev_loopback.py [--world 2] [--calls 50] [--replays 30] [--out DIR]
+    PYTHONPATH=. python benchmarks/dev_loopback.py --variants base,no_pdl,tl_sum [--world 2] [--out DIR]
 """
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import torch
 
-from tpcomm import reference as R
-from tpcomm.loopback import close_group, loopback_group, run_ranks
+sys.path.insert(0, os.path.dirname(__file__))
 
 H = 6144
 
 
 def graph_us(ranks, fn, calls, replays):
-    """µs per call: ``calls`` calls of ``fn(rank)`` on every rank captured in one graph, median replay."""
+    """µs per call: every rank issues ``calls`` calls of ``fn(rank)`` on its own stream, captured in one
+    graph (one fork, one join, so consecutive calls of a rank are adjacent kernels, as on a GPU of its
+    own); median over ``replays`` replays."""
+    from tpcomm.loopback import run_ranks
+
     for _ in range(2):
         run_ranks(ranks, fn)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            run_ranks(ranks, fn)
+        run_ranks(ranks, lambda rank: [fn(rank) for _ in range(calls)])
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -39,11 +45,21 @@ def graph_us(ranks, fn, calls, replays):
     return sorted(times)[len(times) // 2]
 
 
-def run(world, pdl, calls, replays):
-    ranks = loopback_group(world, pdl=pdl, timeout_s=20.0)
-    rows, ok = [], True
+def run_one(variant, world, calls, replays):
+    from dev_single import VARIANTS
+
+    for name in variant.split("+"):
+        if name == "no_pdl":
+            os.environ["TPCOMM_PDL"] = "0"
+        elif name != "base":
+            VARIANTS[name]()
+    from tpcomm import reference as R
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    ranks = loopback_group(world, timeout_s=20.0)
+    ok = True
     try:
-        for T in (1, 16, 64, 256):
+        for T in (1, 16, 64):
             g = torch.Generator(device="cuda").manual_seed(T)
             xs = [torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16) for _ in ranks]
             res = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -70,33 +86,50 @@ def run(world, pdl, calls, replays):
                             and torch.equal(q[0].view(torch.uint8), q_ref.view(torch.uint8))
                             and torch.equal(q[1], sc_ref) and torch.equal(y, s) for f, q, y in got)
                 ok &= exact
-                rows.append(dict(world=world, pdl=pdl, algo=algo, T=T, exact=exact,
-                                 fused_us=round(graph_us(ranks, fused, calls, replays), 2),
-                                 fp8_us=round(graph_us(ranks, fp8, calls, replays), 2),
-                                 all_reduce_us=round(graph_us(ranks, ar, calls, replays), 2)))
-                print(json.dumps(rows[-1]), flush=True)
+                row = dict(variant=variant, world=world, pdl=ranks[0].workspace.pdl, algo=algo, T=T,
+                           exact=exact, fused_us=round(graph_us(ranks, fused, calls, replays), 2),
+                           fp8_us=round(graph_us(ranks, fp8, calls, replays), 2),
+                           all_reduce_us=round(graph_us(ranks, ar, calls, replays), 2))
+                print(json.dumps(row), flush=True)
         for rank in ranks:
             rank.check()
     finally:
         close_group(ranks)
-    return ok, rows
+    return ok
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="base,no_pdl")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a single variant, in this process
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    all_rows, ok = [], True
-    for pdl in (False, True):
-        good, rows = run(args.world, pdl, args.calls, args.replays)
-        ok &= good
-        all_rows += rows
+    if args.one:
+        raise SystemExit(0 if run_one(args.one, args.world, args.calls, args.replays) else 1)
+    from dev_single import VARIANTS
+
+    variants = args.variants.split(",")
+    unknown = [n for v in variants for n in v.split("+") if n not in ("base", "no_pdl", *VARIANTS)]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from base, no_pdl, {', '.join(VARIANTS)}")
+    rows, ok = [], True
+    for v in variants:
+        proc = subprocess.run([sys.executable, __file__, "--one", v, "--world", str(args.world),
+                               "--calls", str(args.calls), "--replays", str(args.replays)],
+                              capture_output=True, text=True, timeout=600)
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        rows += lines
+        for line in lines:
+            print(json.dumps(line), flush=True)
+        if proc.returncode:
+            ok = False
+            print(json.dumps({"variant": v, "failed": (proc.stderr.strip().splitlines() or ["?"])[-1]}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "dev_loopback.json"), "w") as f:
-        json.dump(all_rows, f, indent=1)
+        json.dump(rows, f, indent=1)
     print("ALL EXACT" if ok else "MISMATCH")
     raise SystemExit(0 if ok else 1)
 
