@@ -83,16 +83,6 @@ def _finish_acq_rel(state_ptr, epoch, num_programs):
         tl.atomic_xchg(state_ptr, epoch + 1, sem="release", scope="gpu")
 
 
-@triton.jit
-def _no_check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
-    return timeout  # Lamport without its call-tag wait: what the mismatch check costs
-
-
-def _patch_no_tags():
-    from tpcomm.kernels import lamport
-    lamport._check_tags = _no_check_tags
-
-
 #: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
 VARIANTS = {
     "no_preload": _patch_no_preload,
@@ -102,7 +92,6 @@ VARIANTS = {
     "tl_sum": _patch_tree_sum,  # layout-dependent order (not exact): bounds what the pairwise sum costs
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
-    "no_tags": _patch_no_tags,  # exact outputs, but a peer's other call goes undetected
 }
 
 

@@ -11,10 +11,10 @@ sentinel, sums in rank order with the same ``epilogue.py`` code as every other a
 the same), runs the epilogue and writes the sentinel back into what it read (re-arming the buffer).
 
 Call tags: after its rows, each program stores the call's signature (as ``one_shot.py``'s flags carry it)
-into an int32 tag of every peer, indexed by parity, program and sender, and checks the tags its peers
-sent it before reading their rows (re-arming them as it does the rows). A peer that made a different
-call (another op, size or dtype of the same bytes) is reported as ``ERR_MISMATCH``, or as a timeout when
-its program never ran, instead of returning wrong values.
+into an int32 tag of every peer, indexed by parity, program and sender, and polls the tags its peers
+sent it in the same loop as their rows' tiles, before reducing them; it re-arms them at its end. A peer
+that made a different call (another op, size or dtype of the same bytes) is reported as
+``ERR_MISMATCH``, or as a timeout when its program never ran, instead of returning wrong values.
 
 Sync protocol: no flags, no fences and no barrier across ranks: a peer's 2-byte element is either the
 sentinel or the value (elements are checked one by one, so a store can't tear). Polls are volatile loads
@@ -42,56 +42,39 @@ TAG_SENTINEL = tl.constexpr(-2147450880)
 
 
 @triton.jit
-def _check_tags(tag_ptr, rank, signature, epoch, program, timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
-    """Wait (bounded) for every peer's call tag of this program (``tag_ptr + q``: the tag that peer ``q``'s
-    same program sent), compare it with this call's signature, then re-arm the tags. On another
-    signature records ``ERR_MISMATCH``. Returns the timeout left: ``timeout``, or 0 once a wait failed.
+def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature, timeout,
+               err_ptr, state_ptr, WORLD: tl.constexpr):
+    """Spin until, for every peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) has arrived
+    and no element of this tile in ``q``'s slot holds the sentinel (bounded). A tag with another
+    signature ends the wait at once and records ``ERR_MISMATCH``; an expired wait records
+    ``ERR_TIMEOUT``. Returns the timeout left for later waits: ``timeout``, or 0 once a wait failed.
 
-    Every thread of the program loads the tag itself, so the re-arm waits for a program-wide barrier:
-    a thread that re-armed a tag while a slower warp had not read it yet left that warp spinning on the
-    sentinel until the timeout (2 H200s, 64 x 4096 bf16 fused, the first GPU run of this check)."""
+    The tag is polled in the same loop as the data (one block-wide reduction per round for both): a
+    separate wait for the tag first, with its own barrier, cost 0.3-1.0 µs a call at 1-64 x 6144 bf16
+    (loopback on one H200, ``benchmarks/dev_loopback.py``, docs/benchmarks.md). Tags are re-armed at the
+    kernel's end, after the barrier that precedes the last re-arming of data, so later rows of the
+    program find the signature still there."""
     for q in tl.static_range(WORLD):
         if q != rank:
+            p = recv_row_ptr + q * slot_stride + cols
             seen = tl.load(tag_ptr + q, volatile=True)
+            bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
+            pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
             start = now_ns()
             waited = start - start
-            while (seen == TAG_SENTINEL) & (waited < timeout):
+            while (((pending != 0) | (seen == TAG_SENTINEL)) & ((seen == signature) | (seen == TAG_SENTINEL))
+                   & (waited < timeout)):
                 seen = tl.load(tag_ptr + q, volatile=True)
+                bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
+                pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
                 waited = now_ns() - start
-            missing = seen == TAG_SENTINEL
             other_call = (seen != signature) & (seen != TAG_SENTINEL)
+            missing = (seen == TAG_SENTINEL) | ((seen == signature) & (pending != 0))
             if missing & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if other_call:
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
             timeout = tl.where(missing | other_call, 0, timeout)
-    tl.debug_barrier()
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            tl.store(tag_ptr + q, TAG_SENTINEL)
-    return timeout
-
-
-@triton.jit
-def _poll_tile(recv_row_ptr, slot_stride, cols, mask, rank, epoch, program, signature, timeout, err_ptr, state_ptr,
-               WORLD: tl.constexpr):
-    """Spin until no element of this tile in any peer's slot holds the sentinel (bounded).
-
-    Returns the timeout left for later waits: ``timeout``, or 0 once a wait expired."""
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            p = recv_row_ptr + q * slot_stride + cols
-            bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-            pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
-            start = now_ns()
-            waited = start - start
-            while (pending != 0) & (waited < timeout):
-                bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-                pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
-                waited = now_ns() - start
-            if (pending != 0) & (timeout > 0):  # timeout 0: an earlier error is recorded already
-                record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
-            timeout = tl.where(pending != 0, 0, timeout)
     return timeout
 
 
@@ -137,10 +120,8 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     else:
         res_pre, w_pre = offs, offs
 
-    # 2. Check the peers' call tags, then per row: wait for every peer's tiles, reduce + epilogue, re-arm
-    #    what was read.
-    timeout = _check_tags(peer_ptr(buf_table_ptr, rank, tl.int32) + tag_idx, rank, signature, epoch, pid,
-                          timeout, err_ptr, state_ptr, WORLD)
+    # 2. Per row: wait for every peer's tiles and call tag, reduce + epilogue, re-arm the tiles read.
+    tags = peer_ptr(buf_table_ptr, rank, tl.int32) + tag_idx
     recv = peer_ptr(buf_table_ptr, rank, x_ptr.dtype.element_ty) + par * parity_stride
     recv_bits = peer_ptr(buf_table_ptr, rank, tl.int16) + par * parity_stride
     for row in range(pid, n_rows, num_programs):
@@ -148,8 +129,8 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, rank, epoch, pid, signature,
-                                 timeout, err_ptr, state_ptr, WORLD)
+            timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, tags, rank, epoch, pid,
+                                 signature, timeout, err_ptr, state_ptr, WORLD)
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
@@ -164,6 +145,11 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                 if q != rank:
                     tl.store(recv_bits + q * slot_stride + row * row_stride + cols,
                              tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
+    # 3. Re-arm the call tags: every thread's last load of them came before the barrier above (every
+    #    program has at least one row: the grid is at most n_rows).
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            tl.store(tags + q, TAG_SENTINEL)
 
     finish_program(state_ptr, epoch, num_programs)
 
@@ -175,6 +161,8 @@ def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps
     ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
     (:meth:`~tpcomm.workspace.Workspace.lamport_rows_per_launch`).
     """
+    if n_rows < 1:  # a program without rows would re-arm its call tags without waiting for them
+        raise ValueError(f"lamport: n_rows must be >= 1, got {n_rows}")
     has_res = residual is not None
     grid = (cfg.grid(n_rows),)
     _lamport_kernel[grid](
