@@ -181,3 +181,29 @@ def test_a_missing_peer_raises_instead_of_hanging(algo):
                 ranks[0].all_reduce(x)
     finally:
         close_group(ranks)
+
+
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_a_peer_making_another_call_is_reported(algo):
+    """Rank 0 runs the fused op, rank 1 an all-reduce of the same bytes: every rank raises
+    ``PeerMismatchError`` (Lamport: the call tags; one-shot: the flags' signatures), none hangs."""
+    from tpcomm.errors import PeerMismatchError
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=5.0)
+    try:
+        x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
+        w = torch.ones(6144, device="cuda", dtype=torch.bfloat16)
+
+        def call(rank):
+            with rank.use_algorithm(algo):
+                if rank.rank == 0:
+                    return rank.fused_add_rmsnorm(x, x, w, 1e-6)
+                return rank.all_reduce(x)
+        run_ranks(ranks, call)
+        torch.cuda.synchronize()
+        for rank in ranks:
+            with pytest.raises(PeerMismatchError):
+                rank.check()
+    finally:
+        close_group(ranks)
