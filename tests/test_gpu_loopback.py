@@ -185,8 +185,9 @@ def test_a_missing_peer_raises_instead_of_hanging(algo):
 
 @pytest.mark.parametrize("algo", ["lamport", "one_shot"])
 def test_a_peer_making_another_call_is_reported(algo):
-    """Rank 0 runs the fused op, rank 1 an all-reduce of the same bytes: every rank raises
-    ``PeerMismatchError`` (Lamport: the call tags; one-shot: the flags' signatures), none hangs."""
+    """Rank 0 runs the fused op with a residual, rank 1 without (the same rows, bytes and grid): every
+    rank raises ``PeerMismatchError`` (Lamport: the call tags; one-shot: the flags' signatures), none
+    hangs."""
     from tpcomm.errors import PeerMismatchError
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
@@ -199,7 +200,7 @@ def test_a_peer_making_another_call_is_reported(algo):
             with rank.use_algorithm(algo):
                 if rank.rank == 0:
                     return rank.fused_add_rmsnorm(x, x, w, 1e-6)
-                return rank.all_reduce(x)
+                return rank.fused_add_rmsnorm(x, None, w, 1e-6)
         run_ranks(ranks, call)
         torch.cuda.synchronize()
         for rank in ranks:
