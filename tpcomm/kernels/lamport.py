@@ -42,6 +42,16 @@ TAG_SENTINEL = tl.constexpr(-2147450880)
 
 
 @triton.jit
+def _poll_code(p, mask, tag_ptr, signature, waited, timeout):
+    """One round of :func:`_poll_tile`'s wait: the block-wide max of its per-lane code (see there)."""
+    seen = tl.load(tag_ptr, volatile=True)
+    bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
+    mine = (tl.where(seen == TAG_SENTINEL, 2, 0) + tl.where(waited >= timeout, 4, 0)
+            + tl.where((seen != signature) & (seen != TAG_SENTINEL), 8, 0))
+    return tl.max((bits == SENTINEL).to(tl.int32) + mine, axis=0)
+
+
+@triton.jit
 def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature, timeout,
                err_ptr, state_ptr, WORLD: tl.constexpr):
     """Spin until, for every peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) has arrived
@@ -49,32 +59,31 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
     signature ends the wait at once and records ``ERR_MISMATCH``; an expired wait records
     ``ERR_TIMEOUT``. Returns the timeout left for later waits: ``timeout``, or 0 once a wait failed.
 
-    The tag is polled in the same loop as the data (one block-wide reduction per round for both): a
-    separate wait for the tag first, with its own barrier, cost 0.3-1.0 µs a call at 1-64 x 6144 bf16
-    (loopback on one H200, ``benchmarks/dev_loopback.py``, docs/benchmarks.md). Tags are re-armed at the
-    kernel's end, after the barrier that precedes the last re-arming of data, so later rows of the
-    program find the signature still there."""
+    The tag is polled in the same loop as the data: a separate wait for the tag first, with its own
+    barrier, cost 0.3-1.0 µs a call at 1-64 x 6144 bf16 (loopback on one H200,
+    ``benchmarks/dev_loopback.py``, docs/benchmarks.md). Tags are re-armed at the kernel's end, after the
+    barrier that precedes the last re-arming of data, so later rows of the program find the signature
+    still there.
+
+    Every thread loads the tag and reads the clock itself, so threads may disagree on both; the loop's
+    condition is therefore one block-wide max of a per-lane code (1: this element holds the sentinel,
+    2: this thread sees no tag yet, 4: this thread's wait expired, 8: this thread sees another call's
+    tag), the same value in every thread: the reduction's barriers inside the loop are reached by every
+    warp the same number of times."""
     for q in tl.static_range(WORLD):
         if q != rank:
             p = recv_row_ptr + q * slot_stride + cols
-            seen = tl.load(tag_ptr + q, volatile=True)
-            bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-            pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
             start = now_ns()
             waited = start - start
-            while (((pending != 0) | (seen == TAG_SENTINEL)) & ((seen == signature) | (seen == TAG_SENTINEL))
-                   & (waited < timeout)):
-                seen = tl.load(tag_ptr + q, volatile=True)
-                bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-                pending = tl.max((bits == SENTINEL).to(tl.int32), axis=0)
+            code = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
+            while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
                 waited = now_ns() - start
-            other_call = (seen != signature) & (seen != TAG_SENTINEL)
-            missing = (seen == TAG_SENTINEL) | ((seen == signature) & (pending != 0))
-            if missing & (timeout > 0):  # timeout 0: an earlier error is recorded already
+                code = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
+            if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
-            if other_call:
+            if code >= 8:
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
-            timeout = tl.where(missing | other_call, 0, timeout)
+            timeout = tl.where(code != 0, 0, timeout)
     return timeout
 
 
