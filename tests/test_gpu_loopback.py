@@ -201,7 +201,10 @@ def test_a_peer_making_another_call_is_reported(algo):
                 if rank.rank == 0:
                     return rank.fused_add_rmsnorm(x, x, w, 1e-6)
                 return rank.fused_add_rmsnorm(x, None, w, 1e-6)
-        run_ranks(ranks, call)
+        try:
+            run_ranks(ranks, call)
+        except PeerMismatchError:
+            pass  # rank 1's call may already find the error rank 0's kernel recorded
         torch.cuda.synchronize()
         for rank in ranks:
             with pytest.raises(PeerMismatchError):
