@@ -53,7 +53,8 @@ def test_lists_drop_repeats_and_world_lists_need_two_ranks(capsys):
 
 @pytest.mark.parametrize("command", ["demo", "soak", "bench", "tune"])
 @pytest.mark.parametrize("variable,value", [("TPCOMM_ALGO", "bogus"), ("TPCOMM_TIMEOUT_S", "abc"),
-                                            ("TPCOMM_DISPATCH_TABLE", "/nonexistent/table.json")])
+                                            ("TPCOMM_DISPATCH_TABLE", "/nonexistent/table.json"),
+                                            ("TPCOMM_PDL", "yes")])
 def test_a_bad_environment_variable_is_one_line_before_any_rank_starts(command, variable, value, monkeypatch,
                                                                         capsys):
     """A bad ``TPCOMM_*`` value ends a command that starts ranks with exit 2 and one line naming it, instead
@@ -71,3 +72,18 @@ def test_empty_environment_variables_count_as_unset(monkeypatch):
     monkeypatch.setenv("TPCOMM_TIMEOUT_S", "")
     cfg = read_env()
     assert cfg.algo == "auto" and cfg.timeout_s == 30.0
+
+
+@pytest.mark.parametrize("value,expected", [(None, True), ("", True), ("1", True), (" 0 ", False)])
+def test_tpcomm_pdl(value, expected, monkeypatch):
+    """``TPCOMM_PDL``: on unless 0; a CPU workspace never launches with it (``launch_options``)."""
+    from tpcomm.env import read_env
+    from tpcomm.workspace import Workspace
+    if value is None:
+        monkeypatch.delenv("TPCOMM_PDL", raising=False)
+    else:
+        monkeypatch.setenv("TPCOMM_PDL", value)
+    assert read_env().pdl is expected
+    ws = Workspace.__new__(Workspace)
+    ws._lay_out(0, 2, __import__("torch").device("cpu"), 1 << 16, 4, 1.0, 0, read_env().pdl)
+    assert ws.launch_options() == {"PDL": False, "launch_pdl": False}

@@ -207,7 +207,7 @@ def check() -> int:
          + (" (importing tpcomm sets it without CUDA)" if not cuda else ""))
 
     out.append("TPCOMM_* settings")
-    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE")
+    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE", "TPCOMM_PDL")
     for k in names:
         line(k, os.environ[k] if k in os.environ else "(unset)")
     others = sorted(k for k in os.environ if k.startswith("TPCOMM_") and k not in names)
@@ -218,6 +218,9 @@ def check() -> int:
         mp = cfg.max_programs if cfg.max_programs is not None else \
             ("default, from the SM count" if device == "cuda" else "4 (CPU interpreter)")
         line("in effect", f"algo={cfg.algo}, timeout_s={cfg.timeout_s:g}, max_programs={mp}")
+        hopper = cuda and n >= 1 and torch.cuda.get_device_capability(0) >= (9, 0)
+        line("programmatic launch", ("on" if cfg.pdl and hopper else "off") + " ("
+             + ("TPCOMM_PDL=0" if not cfg.pdl else "sm_90+ GPU" if hopper else "needs an sm_90+ GPU") + ")")
     except ValueError as e:
         cfg = None
         status = 1
