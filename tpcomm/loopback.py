@@ -14,8 +14,11 @@ For tests and kernel experiments on a one-GPU machine (``tests/test_gpu_loopback
 
 Limits:
   * The ranks' programs must be resident together, since a program that waits for a peer holds its SM
-    until the peer's same program has run: ``max_programs`` defaults to the SM count over
-    ``2 * world_size`` (two-shot runs up to twice that, ``dispatch.row_config``).
+    until the peer's same program has run. A kernel's programs take up to one SM each (16 warps at 128
+    registers fill an H200 SM's register file), two-shot runs up to twice the grid cap
+    (``dispatch.row_config``), and with programmatic dependent launch the next kernel of each rank can be
+    resident too, waiting in ``griddepcontrol.wait`` for the one before it: so ``max_programs``
+    defaults to the SM count over ``4 * world_size`` (``2 * world_size`` without PDL).
   * Every rank must run the same kernel binaries: a rank whose launch loaded a new CUDA module while a
     peer's kernel was spinning would wait for that kernel to end (module loading waits for the GPU),
     and that kernel waits for it. So the kernels never specialise on ``rank`` (``do_not_specialize``),
@@ -78,8 +81,8 @@ def loopback_group(world_size: int, device: torch.device | str | None = None, ma
         device: the GPU (default: the current CUDA device).
         max_bytes: bytes one launch carries per rank (the Communicator's ``max_bytes``).
         timeout_s: seconds a kernel waits for a peer.
-        max_programs: grid cap; default ``SMs // (2 * world_size)``, so every rank's programs fit the GPU
-            at once (module docstring).
+        max_programs: grid cap; default ``SMs // (4 * world_size)`` with PDL, ``SMs // (2 * world_size)``
+            without, so every rank's programs fit the GPU at once (module docstring).
         pdl: programmatic dependent launch; default as ``TPCOMM_PDL`` and the GPU allow.
     Returns:
         ``world_size`` :class:`LoopbackRank`; close each (or :func:`close_group`) when done.
@@ -97,12 +100,12 @@ def loopback_group(world_size: int, device: torch.device | str | None = None, ma
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
-    if max_programs is None:
-        max_programs = max(1, props.multi_processor_count // (2 * world_size))
-    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
-        raise ValueError(f"loopback_group: max_programs must be an int >= 1, got {max_programs!r}")
     if pdl is None:
         pdl = read_env().pdl and (props.major, props.minor) >= (9, 0)
+    if max_programs is None:
+        max_programs = max(1, props.multi_processor_count // ((4 if pdl else 2) * world_size))
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+        raise ValueError(f"loopback_group: max_programs must be an int >= 1, got {max_programs!r}")
     workspaces = []
     for r in range(world_size):
         ws = Workspace.__new__(Workspace)
