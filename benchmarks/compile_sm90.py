@@ -52,9 +52,9 @@ def resources(ptx):
     return f"{regs.group(1) if regs else '?'} regs, {spill.group(1) if spill else '?'} B spill"
 
 
-def build(fn, types, constexprs, num_warps=16):
+def build(fn, types, constexprs, num_warps=16, pdl=True):
     src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs=constexprs)
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False, "launch_pdl": True})
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False, "launch_pdl": pdl})
     size = f"{len(k.asm['cubin'])} B cubin, {num_warps} warps"
     return f"{size}, {resources(k.asm['ptx'])}" if "--regs" in sys.argv else size
 
@@ -96,6 +96,12 @@ def main():
                                               dispatch.row_config(block, 1, two_shot=True).num_warps)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
                         build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1, "PDL": True})))
+    # without programmatic dependent launch (TPCOMM_PDL=0, GPUs before sm_90): the same kernels, PDL off
+    results.append(("one_shot no PDL", "bf16", 1024, 1, 0, True,
+                    build(one_shot._one_shot_kernel, epi_types("bf16"),
+                          {"WORLD": 2, "BLOCK_H": 1024, "NUM_TILES": 1, "NORM": True, "HAS_RESIDUAL": True,
+                           "GEMMA": False, "QUANT": 0, "STORE_OUT": True, "FP8": tl.float8e4nv,
+                           "NATIVE_FP8": True, "GROUP": 1, "PDL": False}, 4, pdl=False)))
     # every other dtype is gathered as bytes
     results.append(("all_gather", "u8", 4096, 1, 0, False,
                     build(gather._all_gather_kernel, dict(epi_types("u8"), x_ptr="*u8", out_ptr="*u8"),

@@ -76,14 +76,32 @@ def test_empty_environment_variables_count_as_unset(monkeypatch):
 
 @pytest.mark.parametrize("value,expected", [(None, True), ("", True), ("1", True), (" 0 ", False)])
 def test_tpcomm_pdl(value, expected, monkeypatch):
-    """``TPCOMM_PDL``: on unless 0; a CPU workspace never launches with it (``launch_options``)."""
+    """``TPCOMM_PDL``: on unless 0."""
     from tpcomm.env import read_env
-    from tpcomm.workspace import Workspace
     if value is None:
         monkeypatch.delenv("TPCOMM_PDL", raising=False)
     else:
         monkeypatch.setenv("TPCOMM_PDL", value)
     assert read_env().pdl is expected
+
+
+def test_a_cpu_workspace_never_launches_with_pdl():
+    """Asked for PDL, a CPU (interpreter) workspace still launches without it: the interpreter has no
+    ``griddepcontrol``."""
+    import torch
+    from tpcomm.workspace import Workspace, pdl_supported
+    assert not pdl_supported(torch.device("cpu"))
     ws = Workspace.__new__(Workspace)
-    ws._lay_out(0, 2, __import__("torch").device("cpu"), 1 << 16, 4, 1.0, 0, read_env().pdl)
+    ws._lay_out(0, 2, torch.device("cpu"), 1 << 16, 4, 1.0, 0, pdl=True)
     assert ws.launch_options() == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.parametrize("timeout_s", [1e-12, 1e-10])
+def test_a_sub_nanosecond_timeout_still_waits(timeout_s):
+    """A timeout below 1 ns is 1 ns in the kernels, never 0 (which the kernels read as "an earlier wait
+    failed", and which would skip every wait without recording an error)."""
+    import torch
+    from tpcomm.workspace import Workspace
+    ws = Workspace.__new__(Workspace)
+    ws._lay_out(0, 2, torch.device("cpu"), 1 << 16, 4, timeout_s, 0, pdl=False)
+    assert ws.timeout == 1

@@ -18,7 +18,7 @@ from .errors import PeerMismatchError, PeerTimeoutError
 from .fp8_outputs import check_unquantized_call, fp8_outputs
 from .quant import DEFAULT_GROUP_SIZE
 from .kernels.sync import MISMATCH_CODE, call_signature
-from .workspace import Workspace
+from .workspace import Workspace, pdl_supported
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
@@ -38,6 +38,25 @@ MAX_INDEXED_ELEMS = (1 << 31) - 1
 #: Rows narrower than this many elements make reduce-scatter's kernel mostly idle lanes: an all-gather
 #: through the kernel and the rank-order sum on this rank are used instead.
 MIN_SCATTER_ROW = 16
+
+
+def checked_limits(who: str, max_bytes, timeout_s) -> tuple[int, float]:
+    """``(max_bytes, timeout_s)`` checked: an int in ``(0, MAX_MAX_BYTES]`` and a positive, finite number
+    of seconds.
+
+    Raises:
+        TypeError: ``max_bytes`` is not an int, or ``timeout_s`` not a number.
+        ValueError: either is out of range.
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise TypeError(f"{who}: max_bytes must be an int (bytes), got {type(max_bytes).__name__}")
+    if not 0 < max_bytes <= MAX_MAX_BYTES:
+        raise ValueError(f"{who}: max_bytes must be in (0, {MAX_MAX_BYTES}], got {max_bytes}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"{who}: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"{who}: timeout_s must be positive and finite, got {timeout_s}")
+    return max_bytes, float(timeout_s)
 
 
 def _strides_may_overlap(t: torch.Tensor) -> bool:
@@ -153,16 +172,8 @@ class Communicator:
             self.device = torch.device("cpu")
         if max_bytes is None:
             max_bytes = DEFAULT_MAX_BYTES_CUDA if self.device.type == "cuda" else DEFAULT_MAX_BYTES_CPU
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
-            raise TypeError(f"Communicator: max_bytes must be an int (bytes), got {type(max_bytes).__name__}")
-        if not 0 < max_bytes <= MAX_MAX_BYTES:
-            raise ValueError(f"Communicator: max_bytes must be in (0, {MAX_MAX_BYTES}], got {max_bytes}")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
-            raise TypeError(f"Communicator: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
-        self.timeout_s = self.env.timeout_s if timeout_s is None else float(timeout_s)
-        if not 0 < self.timeout_s < float("inf"):
-            raise ValueError(f"Communicator: timeout_s must be positive and finite, got {timeout_s}")
-        self.max_bytes = max_bytes
+        self.max_bytes, self.timeout_s = checked_limits("Communicator", max_bytes,
+                                                        self.env.timeout_s if timeout_s is None else timeout_s)
         self.algorithm = self.env.algo
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -222,10 +233,9 @@ class Communicator:
         return None
 
     def _pdl(self) -> bool:
-        """Whether kernels launch with programmatic dependent launch: ``TPCOMM_PDL`` and a GPU of compute
-        capability 9.0 or more (Hopper's ``griddepcontrol``)."""
-        return (self.env.pdl and self.device.type == "cuda"
-                and torch.cuda.get_device_capability(self.device) >= (9, 0))
+        """Whether kernels launch with programmatic dependent launch: ``TPCOMM_PDL`` and
+        :func:`~tpcomm.workspace.pdl_supported`."""
+        return self.env.pdl and pdl_supported(self.device)
 
     def _local_programs(self) -> int:
         if self.env.max_programs is not None:

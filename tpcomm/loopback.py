@@ -35,9 +35,9 @@ from typing import Any, Callable
 import torch
 
 from . import dispatch
-from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator
+from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator, checked_limits
 from .env import read_env
-from .workspace import Workspace
+from .workspace import Workspace, pdl_supported
 
 
 class LoopbackRank(Communicator):
@@ -45,16 +45,18 @@ class LoopbackRank(Communicator):
     communicators of this process on the same GPU. Its kernels run on :attr:`stream` (use
     :func:`run_ranks`, or ``torch.cuda.stream(rank.stream)``). Ops and arguments as
     :class:`~tpcomm.Communicator`; what a real group would send to ``torch.distributed`` raises
-    ``RuntimeError`` instead."""
+    ``RuntimeError`` instead. ``TPCOMM_ALGO`` and ``TPCOMM_DISPATCH_TABLE`` apply; the timeout and the
+    grid cap are :func:`loopback_group`'s arguments (``TPCOMM_TIMEOUT_S`` and ``TPCOMM_MAX_PROGRAMS``
+    are not read)."""
 
-    def __init__(self, rank: int, world_size: int, workspace: Workspace, max_bytes: int, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, workspace: Workspace):
         self.group = None
         self.rank = rank
         self.world_size = world_size
         self.env = read_env()
         self.device = workspace.device
-        self.max_bytes = max_bytes
-        self.timeout_s = timeout_s
+        self.max_bytes = workspace.slot_bytes
+        self.timeout_s = workspace.timeout_s
         self.algorithm = self.env.algo
         self._init_calls()
         self.table = dispatch.load_table(self.env.table) if self.env.table else dispatch.DEFAULT_TABLE
@@ -71,9 +73,9 @@ class LoopbackRank(Communicator):
         return plan
 
 
-def loopback_group(world_size: int, device: torch.device | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES_CUDA,
-                   timeout_s: float = 10.0, max_programs: int | None = None,
-                   pdl: bool | None = None) -> list[LoopbackRank]:
+def loopback_group(world_size: int, device: torch.device | str | None = None,
+                   max_bytes: int = DEFAULT_MAX_BYTES_CUDA, timeout_s: float = 10.0,
+                   max_programs: int | None = None, pdl: bool | None = None) -> list[LoopbackRank]:
     """``world_size`` ranks on one GPU, in rank order.
 
     Args:
@@ -83,15 +85,18 @@ def loopback_group(world_size: int, device: torch.device | str | None = None, ma
         timeout_s: seconds a kernel waits for a peer.
         max_programs: grid cap; default ``SMs // (4 * world_size)`` with PDL, ``SMs // (2 * world_size)``
             without, so every rank's programs fit the GPU at once (module docstring).
-        pdl: programmatic dependent launch; default as ``TPCOMM_PDL`` and the GPU allow.
+        pdl: programmatic dependent launch; default: on where ``TPCOMM_PDL`` and the GPU allow it.
     Returns:
-        ``world_size`` :class:`LoopbackRank`; close each (or :func:`close_group`) when done.
+        ``world_size`` :class:`LoopbackRank`; close them with :func:`close_group` when done.
     Raises:
-        ValueError: ``world_size`` < 2, ``max_programs`` < 1, or ``device`` is not a CUDA device.
+        TypeError / ValueError: an argument out of range (``world_size`` < 2, ``max_programs`` < 1,
+            ``max_bytes`` or ``timeout_s`` as for :class:`~tpcomm.Communicator`, a device that is not a
+            CUDA device, ``pdl=True`` on a GPU without programmatic dependent launch).
         RuntimeError: CUDA is not available.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"loopback_group: world_size must be an int >= 2, got {world_size!r}")
+    max_bytes, timeout_s = checked_limits("loopback_group", max_bytes, timeout_s)
     if not torch.cuda.is_available():
         raise RuntimeError("loopback_group: needs a CUDA GPU (the CPU interpreter runs one kernel at a time)")
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -99,27 +104,20 @@ def loopback_group(world_size: int, device: torch.device | str | None = None, ma
         raise ValueError(f"loopback_group: device must be a CUDA device, got {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    props = torch.cuda.get_device_properties(device)
     if pdl is None:
-        pdl = read_env().pdl and (props.major, props.minor) >= (9, 0)
+        pdl = read_env().pdl and pdl_supported(device)
+    elif pdl and not pdl_supported(device):
+        raise ValueError(f"loopback_group: pdl=True, but {device} cannot launch with programmatic dependent "
+                         "launch (needs compute capability 9.0+ and compiled kernels)")
     if max_programs is None:
-        max_programs = max(1, props.multi_processor_count // ((4 if pdl else 2) * world_size))
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        max_programs = max(1, sms // ((4 if pdl else 2) * world_size))
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ValueError(f"loopback_group: max_programs must be an int >= 1, got {max_programs!r}")
-    workspaces = []
-    for r in range(world_size):
-        ws = Workspace.__new__(Workspace)
-        ws.group = None
-        ws._lay_out(r, world_size, device, max_bytes, max_programs, timeout_s,
-                    min(max_bytes, dispatch.LAMPORT_MAX_BYTES), pdl)
-        ws.buffer = torch.empty(ws.total_bytes, dtype=torch.uint8, device=device)
-        ws._arm(ws.buffer)
-        workspaces.append(ws)
-    bases = [int(ws.buffer.data_ptr()) for ws in workspaces]
-    for ws in workspaces:
-        ws._make_tables(bases)
+    workspaces = Workspace.loopback(world_size, device, max_bytes, max_programs, timeout_s,
+                                    min(max_bytes, dispatch.LAMPORT_MAX_BYTES), pdl)
     torch.cuda.synchronize(device)
-    return [LoopbackRank(r, world_size, ws, max_bytes, timeout_s) for r, ws in enumerate(workspaces)]
+    return [LoopbackRank(r, world_size, ws) for r, ws in enumerate(workspaces)]
 
 
 def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> list:
@@ -129,15 +127,25 @@ def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> l
 
     ``fn`` should make one collective call: rank 0's kernel waits on the GPU while the host issues the
     other ranks' launches, so several calls in one ``fn`` (each compiling its kernel on first use) can
-    keep the peers' launches of the first call back past the timeout."""
+    keep the peers' launches of the first call back past the timeout. When ``fn`` raises for a rank, the
+    later ranks are still issued (so no peer waits for them) and the first exception is raised after
+    every stream is joined."""
     current = torch.cuda.current_stream(ranks[0].device)
-    results = []
-    for rank in ranks:
-        rank.stream.wait_stream(current)
-        with torch.cuda.stream(rank.stream):
-            results.append(fn(rank))
-    for rank in ranks:
-        current.wait_stream(rank.stream)
+    results, error = [], None
+    try:
+        for rank in ranks:
+            rank.stream.wait_stream(current)
+            with torch.cuda.stream(rank.stream):
+                try:
+                    results.append(fn(rank))
+                except Exception as e:  # noqa: BLE001 -- re-raised below, once every rank is issued
+                    results.append(None)
+                    error = error or e
+    finally:
+        for rank in ranks:
+            current.wait_stream(rank.stream)
+    if error is not None:
+        raise error
     return results
 
 

@@ -41,6 +41,15 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch with programmatic dependent launch: a CUDA GPU of compute
+    capability 9.0 or more (``griddepcontrol``), kernels compiled (not under the interpreter)."""
+    from .env import interpreter_enabled
+
+    return (device.type == "cuda" and not interpreter_enabled()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 class Workspace:
     """The shared buffers and peer tables of one communicator.
 
@@ -90,8 +99,9 @@ class Workspace:
         self.tag_bytes = _round_up(2 * self.world_size * max_programs * 4, _ALIGN)
         self.total_bytes = self.flag_bytes + self.data_bytes + self.lamport_bytes + self.tag_bytes
         self.timeout_s = timeout_s
-        self.timeout = int(timeout_s * 1e9)  # nanoseconds, as the kernels' waits count them
-        self.pdl = bool(pdl) and device.type == "cuda"
+        # nanoseconds, as the kernels' waits count them; at least 1, since 0 means "an earlier wait failed"
+        self.timeout = max(1, int(timeout_s * 1e9))
+        self.pdl = bool(pdl) and pdl_supported(device)
         self._shm_paths: list[str] = []
         self._memfd: int | None = None
         self._handle = None
@@ -107,6 +117,25 @@ class Workspace:
         self.err = torch.zeros(5, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._err_words = self.err.numpy()  # the same memory: reading it costs no torch dispatch
         self.closed = False
+
+    @classmethod
+    def loopback(cls, world_size: int, device: torch.device, slot_bytes: int, max_programs: int,
+                 timeout_s: float, lamport_slot_bytes: int, pdl: bool) -> list["Workspace"]:
+        """Every rank's workspace of a group whose ranks share this process and ``device``
+        (:mod:`tpcomm.loopback`): plain device allocations, in rank order. Each keeps every rank's buffer
+        alive (``peer_buffers``), so closing one rank never frees memory the others still write."""
+        workspaces = []
+        for r in range(world_size):
+            ws = cls.__new__(cls)
+            ws.group = None
+            ws._lay_out(r, world_size, device, slot_bytes, max_programs, timeout_s, lamport_slot_bytes, pdl)
+            ws.buffer = torch.empty(ws.total_bytes, dtype=torch.uint8, device=device)
+            ws._arm(ws.buffer)
+            workspaces.append(ws)
+        for ws in workspaces:
+            ws.peer_buffers = [w.buffer for w in workspaces]
+            ws._make_tables([int(b.data_ptr()) for b in ws.peer_buffers])
+        return workspaces
 
     def launch_options(self) -> dict:
         """Keyword arguments every communication kernel's launch takes: ``PDL`` (the kernels' constexpr,

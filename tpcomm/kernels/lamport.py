@@ -46,9 +46,11 @@ def _poll_code(p, mask, tag_ptr, signature, waited, timeout):
     """One round of :func:`_poll_tile`'s wait: the block-wide max of its per-lane code (see there)."""
     seen = tl.load(tag_ptr, volatile=True)
     bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-    mine = (tl.where(seen == TAG_SENTINEL, 2, 0) + tl.where(waited >= timeout, 4, 0)
+    missing = (bits == SENTINEL) | (seen == TAG_SENTINEL)  # per lane
+    code = ((bits == SENTINEL).to(tl.int32) + tl.where(seen == TAG_SENTINEL, 2, 0)
+            + tl.where(missing & (waited >= timeout), 4, 0)  # expired: only where something is missing
             + tl.where((seen != signature) & (seen != TAG_SENTINEL), 8, 0))
-    return tl.max((bits == SENTINEL).to(tl.int32) + mine, axis=0)
+    return tl.max(code, axis=0)
 
 
 @triton.jit
@@ -59,17 +61,20 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
     signature ends the wait at once and records ``ERR_MISMATCH``; an expired wait records
     ``ERR_TIMEOUT``. Returns the timeout left for later waits: ``timeout``, or 0 once a wait failed.
 
-    The tag is polled in the same loop as the data: a separate wait for the tag first, with its own
-    barrier, cost 0.3-1.0 µs a call at 1-64 x 6144 bf16 (loopback on one H200,
-    ``benchmarks/dev_loopback.py``, docs/benchmarks.md). Tags are re-armed at the kernel's end, after the
-    barrier that precedes the last re-arming of data, so later rows of the program find the signature
-    still there.
+    The tag is polled in the same loop as the data, not in a wait of its own before it: that wait cost
+    0.18-1.01 µs a call at 1-64 x 6144 bf16 against no tag at all, and polling it in the loop instead came
+    out about even (fused -0.19 to +0.05 µs, FP8 +0.22 to +0.35, all-reduce -0.25 to +0.29; loopback on
+    one H200, ``benchmarks/dev_loopback.py``, docs/benchmarks.md); it is kept for its exit, the same in
+    every thread (below). Tags are re-armed at the kernel's end, after the barrier that precedes the last
+    re-arming of data, so later rows of the program find the signature still there.
 
     Every thread loads the tag and reads the clock itself, so threads may disagree on both; the loop's
     condition is therefore one block-wide max of a per-lane code (1: this element holds the sentinel,
-    2: this thread sees no tag yet, 4: this thread's wait expired, 8: this thread sees another call's
-    tag), the same value in every thread: the reduction's barriers inside the loop are reached by every
-    warp the same number of times."""
+    2: this thread sees no tag yet, 4: this thread's wait expired with one of those still missing, 8:
+    this thread sees another call's tag), the same value in every thread: the reduction's barriers
+    inside the loop are reached by every warp the same number of times. A timeout of 0 (an earlier wait
+    failed) leaves at once, and the call then counts as failed whatever arrived (the error recorded
+    first stays)."""
     for q in tl.static_range(WORLD):
         if q != rank:
             p = recv_row_ptr + q * slot_stride + cols
@@ -83,7 +88,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if code >= 8:
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
-            timeout = tl.where(code != 0, 0, timeout)
+            timeout = tl.where((code != 0) | (timeout == 0), 0, timeout)
     return timeout
 
 
