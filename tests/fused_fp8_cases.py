@@ -65,8 +65,11 @@ class Fp8Case:
 
     def kwargs(self) -> dict:
         """The quant keyword arguments of ``fused_add_rmsnorm``."""
-        return dict(quant=self.quant, fp8_dtype=self.fp8, group_size=self.group,
-                    column_major_scales=self.column_major, emit_unquantized=self.emit)
+        kw = dict(quant=self.quant, fp8_dtype=self.fp8, column_major_scales=self.column_major,
+                  emit_unquantized=self.emit)
+        if self.quant == "fp8_per_group":  # per-token calls take no group_size (ValueError)
+            kw["group_size"] = self.group
+        return kw
 
 
 # -- FP8 helpers (CPU and GPU bodies) -----------------------------------------------------------------------
@@ -239,6 +242,7 @@ def _bad_fp8_call(comm, name: str):
         "group_zero": lambda: f(x, r, w, quant="fp8_per_group", group_size=0),
         "group_float": lambda: f(x, r, w, quant="fp8_per_group", group_size=32.0),
         "column_major_per_token": lambda: f(x, r, w, quant="fp8_per_token", column_major_scales=True),
+        "group_size_per_token": lambda: f(x, r, w, quant="fp8_per_token", group_size=32),
         "column_major_3d": lambda: f(x.view(2, 2, 96), r.view(2, 2, 96), w, quant="fp8_per_group",
                                      group_size=32, column_major_scales=True),
         "emit_without_quant": lambda: f(x, r, w, emit_unquantized=True),

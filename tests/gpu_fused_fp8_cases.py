@@ -43,9 +43,10 @@ def _scales_mismatch(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _call(comm, algo, x, res, w, quant, fp8, group, column_major, emit):
+    per_group = {"group_size": group} if quant == "fp8_per_group" else {}  # per-token calls take none
     with comm.use_algorithm(algo):
-        return comm.fused_add_rmsnorm(x, res, w, eps=1e-6, quant=quant, fp8_dtype=fp8, group_size=group,
-                                      column_major_scales=column_major, emit_unquantized=emit)
+        return comm.fused_add_rmsnorm(x, res, w, eps=1e-6, quant=quant, fp8_dtype=fp8,
+                                      column_major_scales=column_major, emit_unquantized=emit, **per_group)
 
 
 def _plan(comm, algo, x) -> str:

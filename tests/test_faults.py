@@ -1,5 +1,6 @@
 """Fault injection on 2 CPU ranks (issue 6, "no silent hang"): a peer that skips a call, calls another
-op, or calls with another size (fewer rows, more rows, more rows on the same grid) or dtype. Every rank
+op, or calls with another size (fewer rows, more rows, more rows on the same grid), dtype or FP8 format
+or group size. Every rank
 that makes a call its peer does not match must raise :class:`tpcomm.PeerTimeoutError` (or its subclass
 :class:`tpcomm.PeerMismatchError`) naming the op, the epoch and the missing rank, within the timeout and a
 margin; never return (a returned value is a silent wrong answer, or a right one by luck). Afterwards the

@@ -185,6 +185,7 @@ BAD = {
     "emit_without_quant": ("emit_unquantized", ["quant"]),
     "column_major_without_quant": ("column_major_scales", ["quant"]),
     "group_size_without_quant": ("group_size", ["quant", "ignored"]),
+    "group_size_per_token": ("group_size=32", ["fp8_per_group"]),
     "fp8_dtype_without_quant": ("fp8_dtype", ["quant", "ignored"]),
 }
 

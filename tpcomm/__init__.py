@@ -2,15 +2,22 @@
 + RMSNorm, in Triton), on the GPUs of one node or, under Triton's interpreter, on CPU ranks.
 
 On a machine without CUDA, importing tpcomm sets ``TRITON_INTERPRET=1`` (unless already set) before any
-kernel is defined, so the same kernels run on the CPU.
+kernel is defined, so the same kernels run on the CPU. Triton must not be imported before that
+(``env.interpreter_problem``): then communicators fall back to ``torch.distributed`` and the standalone
+quant raises, saying so.
 """
 
 import os as _os
+import sys as _sys
 
 import torch as _torch
 
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+from . import env as _env
+
+if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
+    _os.environ["TRITON_INTERPRET"] = "1"
+    # Too late for Triton's own @jit library if Triton is already imported: say so at the first kernel call
+    _env.TRITON_IMPORTED_FIRST = "triton" in _sys.modules
 
 from .communicator import Communicator  # noqa: E402
 from .errors import PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402

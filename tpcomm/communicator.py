@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import dispatch, reference
-from .env import interpreter_enabled, read_env
+from .env import interpreter_enabled, interpreter_problem, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
 from .fp8_outputs import check_unquantized_call, fp8_outputs
 from .quant import DEFAULT_GROUP_SIZE
@@ -198,10 +198,11 @@ class Communicator:
 
     def _set_up(self) -> str | None:
         """Create the workspace if every rank can; returns why not (None when it exists). Collective."""
-        info = (socket.gethostname(), self._local_programs(), self.max_bytes, interpreter_enabled())
+        info = (socket.gethostname(), self._local_programs(), self.max_bytes, interpreter_enabled(),
+                interpreter_problem())
         infos: list = [None] * self.world_size
         dist.all_gather_object(infos, info, group=self.group)
-        hosts, programs, sizes, interpreted = zip(*infos)
+        hosts, programs, sizes, interpreted, problems = zip(*infos)
         if len(set(sizes)) > 1:
             raise ValueError(f"Communicator: max_bytes differs between ranks ({list(sizes)}); "
                              "every rank must pass the same value")
@@ -212,6 +213,8 @@ class Communicator:
             reason = "the group spans several hosts"
         elif self.device.type == "cpu" and not all(interpreted):  # every rank decides alike
             reason = "CPU ranks need TRITON_INTERPRET=1 set before tpcomm is imported (on every rank)"
+        elif self.device.type == "cpu" and any(p for p in problems):
+            reason = next(p for p in problems if p)
         if reason is not None:
             return reason
         max_programs = min(programs)
@@ -645,7 +648,7 @@ class Communicator:
                             weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
                 q = quant.shifted(r0, a) if quant is not None else None
                 sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
-                                 residual is not None, gemma, quant.mode if quant else 0, eps, call)
+                                 residual is not None, gemma, _quant_fields(quant), eps, call)
                 (lamport if use_lamport else one_shot)(*args, sig, quant=q)
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
@@ -660,7 +663,7 @@ class Communicator:
             for j0 in range(0, longest, per_launch):
                 n_local = min(per_launch, longest - j0)
                 sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
-                                 residual is not None, gemma, quant.mode if quant else 0, scatter_only, eps,
+                                 residual is not None, gemma, _quant_fields(quant), scatter_only, eps,
                                  call)
                 two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
                          gemma, sig, scatter_only, quant)
@@ -773,6 +776,13 @@ class Communicator:
         else:
             how = "kernels" + ("" if self.algorithm == "auto" else f", algorithm forced to {self.algorithm}")
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how})"
+
+
+def _quant_fields(quant) -> tuple:
+    """What a launch's signature carries of its FP8 output: the mode, the format and the group size (ranks
+    that differ in any would return different FP8 bytes; the scale layout and ``emit_unquantized`` change
+    no byte, so they may differ)."""
+    return (quant.mode, str(quant.fp8), quant.group) if quant is not None else (0,)
 
 
 def _elsize(dtype: torch.dtype) -> int:

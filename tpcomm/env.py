@@ -68,6 +68,21 @@ def read_env() -> EnvConfig:
     return EnvConfig(algo=algo, table=table, timeout_s=timeout_s, max_programs=max_programs, pdl=pdl == "1")
 
 
+#: Set by ``tpcomm/__init__`` when, on a machine without CUDA, it set ``TRITON_INTERPRET=1`` after Triton had
+#: already been imported: Triton's own library (``tl.max``, ...) was then built for the GPU, so no kernel can
+#: run under the interpreter in this process (:func:`interpreter_problem`).
+TRITON_IMPORTED_FIRST = False
+
+
+def interpreter_problem() -> str | None:
+    """Why tpcomm's kernels cannot run under the interpreter in this process, or None."""
+    if TRITON_IMPORTED_FIRST:
+        return ("Triton was imported before tpcomm could set TRITON_INTERPRET=1 (e.g. by `import triton` or "
+                "torch.compile), so its kernels cannot run on the CPU in this process: import tpcomm first, "
+                "or set TRITON_INTERPRET=1 before Python starts")
+    return None
+
+
 def interpreter_enabled() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

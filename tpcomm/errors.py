@@ -44,7 +44,8 @@ class PeerMismatchError(PeerTimeoutError):
         TpcommError.__init__(
             self,
             f"{op}: rank {peer} made a different call at epoch {epoch} (another op, shape, dim, dtype, "
-            f"eps, gemma, residual, quant mode or algorithm; seen by rank {rank}, program {program}). Every "
+            f"eps, gemma, residual, FP8 mode, format or group size, or algorithm; seen by rank {rank}, "
+            f"program {program}). Every "
             "rank must make the same calls in the same order. This communicator is unusable now; create a "
             "new one."
         )

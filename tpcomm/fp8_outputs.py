@@ -89,8 +89,8 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     Raises:
         ValueError: ``quant`` or ``fp8_dtype`` is not a supported choice, ``group_size`` is not a power
             of two in [1, 8192] or does not divide H (the message names both numbers), or
-            ``column_major_scales`` is asked for per-token scales or a non-2-D ``x``. (``group_size`` is
-            not read for per-token scales.)
+            ``column_major_scales`` is asked for per-token scales or a non-2-D ``x``, or a ``group_size``
+            other than the default is passed with per-token scales.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"{op}: quant must be None or one of {QUANT_MODES}, got {quant!r}")
@@ -102,6 +102,9 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     if quant == "fp8_per_token":
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to quant='fp8_per_group' only")
+        if group_size != DEFAULT_GROUP_SIZE:
+            raise ValueError(f"{op}: group_size={group_size!r} applies to quant='fp8_per_group' only (per-token "
+                             "scales have one group: the row)")
         # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
         scales = (torch.ones if H == 0 else torch.empty)((*lead, 1), dtype=torch.float32, device=x.device)
         return Fp8Outputs(q, scales, quant, fp8_dtype, 1, False)

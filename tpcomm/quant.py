@@ -20,7 +20,7 @@ import torch
 import triton.language as tl
 
 from .dispatch import row_config
-from .env import interpreter_enabled
+from .env import interpreter_enabled, interpreter_problem
 from .kernels import quant as _k
 
 #: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).
@@ -56,6 +56,9 @@ def _check(op: str, x, fp8_dtype) -> None:
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"{op}: fp8_dtype={fp8_dtype}; expected torch.float8_e4m3fn or "
                          "torch.float8_e4m3fnuz")
+    problem = interpreter_problem()
+    if problem is not None and x.device.type == "cpu":
+        raise RuntimeError(f"{op}: {problem}")
     want = "cpu" if interpreter_enabled() else "cuda"
     if x.device.type != want:
         how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if want == "cpu" else "CUDA"
