@@ -118,11 +118,12 @@ def test_zero_tokens(pool, dtype, H):
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64], ids=dtype_name)
 def test_integer_all_reduce_exact(pool, dtype):
-    """Integer dtypes have no kernel: they go through torch.distributed and are exact."""
+    """Integer dtypes have no reduction kernel: every rank's input goes through the all-gather kernel and
+    is summed here in int64, exactly; ``plan`` says so (``push``)."""
     results = pool.run(rank_cases.integer_all_reduce_case, dtype, (3, 5))
     check = Checks()
     for r, res in enumerate(results):
-        check.that(res["plan"] == "fallback", f"rank {r}: plan {res['plan']!r} for {dtype}")
+        check.that(res["plan"] == "push", f"rank {r}: plan {res['plan']!r} for {dtype}")
         check.that(res["y"].dtype == dtype and torch.equal(res["y"].to(torch.int64), res["exact"]),
                    f"rank {r}: {res['y'].tolist()} != {res['exact'].tolist()}")
     check.done()

@@ -244,6 +244,9 @@ def check() -> int:
 
     out.append("algorithms")
     line("choices (TPCOMM_ALGO)", ", ".join(env.ALGO_CHOICES))
+    if cfg is not None and cfg.table and table is None:
+        line("plans below", "from the built-in table: TPCOMM_DISPATCH_TABLE is INVALID (above), and a "
+                            "Communicator would raise")
     if cfg is not None:
         hidden = 4096
         for tokens in (1, 64, 4096):

@@ -597,6 +597,10 @@ class Communicator:
 
     def _make_plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
         """:meth:`plan` without the cache."""
+        integer = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+        if op in ("all_reduce", "reduce_scatter") and integer and self.uses_kernels and self.algorithm != "fallback":
+            return dispatch.Plan("push", "integer sum: every rank's input through the all-gather kernel, "
+                                         "added here in int64 (exact)")
         es = _elsize(dtype)
         if op in ("all_reduce", "all_gather"):
             hidden = self._all_reduce_width(max(1, nbytes // es), es)

@@ -262,9 +262,11 @@ def algorithm_availability(topo: Topology, device: str, world_size: int) -> list
         note = {"lamport": "bf16/fp16 only", "one_shot": "every float dtype",
                 "two_shot": "every float dtype"}.get(a, "")
         kernels.append((a, why_not is None, note if why_not is None else why_not))
-    gather = [("push (all_gather)", why_not is None, "" if why_not is None else why_not)]
+    gather = [("push (all_gather)", why_not is None,
+               "any dtype, as bytes; integer sums too (gathered, then added in int64)" if why_not is None
+               else why_not)]
     fallback = [("fallback", True, "torch.distributed (" + ("NCCL" if device == "cuda" else "gloo")
-                 + "): integer dtypes, groups across hosts, and whenever the kernels cannot run")]
+                 + "): groups across hosts, and whenever the kernels cannot run")]
     return kernels + gather + fallback
 
 
