@@ -591,7 +591,11 @@ def subgroup_case(ctx, members):
     ranks differ from global ranks. Members return their group rank, the sums and references."""
     group = dist.new_group(members)
     if ctx.rank not in members:
-        return None
+        try:
+            tpcomm.Communicator(group)
+        except ValueError as e:
+            return str(e)
+        return "no error"
     xs = all_inputs(1900, len(members), (3, 40), torch.bfloat16)
     res = residual_input(1900, (3, 40), torch.bfloat16)
     w = weight_input(1900, 40, torch.bfloat16)
@@ -714,3 +718,20 @@ def env_timeout_case(ctx, value):
         return {"timeout_s": comm.timeout_s, "workspace_timeout_s": comm.workspace.timeout_s}
     finally:
         comm.close()
+
+
+def descriptors_after_dropped_communicators(ctx, n: int) -> tuple[int, int]:
+    """Open descriptors of this process before and after ``n`` communicators made, used once and dropped
+    without ``close()``."""
+    import gc
+    import os
+
+    def count():
+        gc.collect()
+        return len(os.listdir(f"/proc/{os.getpid()}/fd"))
+    before = count()
+    for _ in range(n):
+        comm = tpcomm.Communicator()
+        comm.all_reduce(torch.ones(8))
+        del comm
+    return before, count()

@@ -85,6 +85,14 @@ def test_tpcomm_pdl(value, expected, monkeypatch):
     assert read_env().pdl is expected
 
 
+def test_a_communicator_dropped_without_close_leaks_no_descriptor(pool2):
+    """A CPU workspace's memfd is closed when the workspace is collected, close() or not."""
+    import rank_cases
+    opened = pool2.run(rank_cases.descriptors_after_dropped_communicators, 10)
+    for r, (before, after) in enumerate(opened):
+        assert after <= before + 2, f"rank {r}: {before} descriptors before, {after} after 10 dropped communicators"
+
+
 def test_a_cpu_workspace_never_launches_with_pdl():
     """Asked for PDL, a CPU (interpreter) workspace still launches without it: the interpreter has no
     ``griddepcontrol``."""

@@ -115,7 +115,7 @@ class Communicator:
         TypeError, ValueError: ``max_bytes`` or ``timeout_s`` is out of range or of the wrong type, or a
             ``TPCOMM_*`` variable is invalid, on this rank; on the other ranks a ValueError naming the
             rank that refused (every rank raises, none waits for it); or ``max_bytes`` differs between
-            ranks.
+            ranks; or this process is not a member of ``group``.
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -123,6 +123,10 @@ class Communicator:
             raise RuntimeError("Communicator: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first (or use tpcomm.launch)")
         self.group = group if group is not None else dist.group.WORLD
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on other ranks
+            raise ValueError("Communicator: this process is not a member of group (torch.distributed.new_group "
+                             "returns a placeholder on the ranks it leaves out); create the Communicator only "
+                             "on the group's ranks")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         # Arguments and TPCOMM_* variables are checked on every rank, and a rank that refuses them tells

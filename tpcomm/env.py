@@ -13,6 +13,11 @@ from dataclasses import dataclass
 ALGO_CHOICES = ("auto", "lamport", "one_shot", "two_shot", "fallback")
 
 
+#: Largest ``TPCOMM_MAX_PROGRAMS``: 16 programs per SM of a 132-SM H200 is 2112; far beyond it the signal
+#: pad alone (``64 * max_programs * world_size`` bytes per rank) would take gigabytes.
+MAX_PROGRAMS_LIMIT = 4096
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """Settings taken from the environment.
@@ -59,8 +64,8 @@ def read_env() -> EnvConfig:
         max_programs = int(mp) if mp else None
     except ValueError:
         raise ValueError(f"TPCOMM_MAX_PROGRAMS={mp!r}: expected an integer >= 1") from None
-    if max_programs is not None and max_programs < 1:
-        raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer >= 1")
+    if max_programs is not None and not 1 <= max_programs <= MAX_PROGRAMS_LIMIT:
+        raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer in [1, {MAX_PROGRAMS_LIMIT}]")
     table = os.environ.get("TPCOMM_DISPATCH_TABLE") or None
     pdl = (os.environ.get("TPCOMM_PDL") or "1").strip()
     if pdl not in ("0", "1"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -172,9 +173,7 @@ class Workspace:
             ]
             dist.barrier(group=self.group)
         except BaseException:
-            if self._memfd is not None:
-                os.close(self._memfd)
-                self._memfd = None
+            self._close_memfd()
             raise
         finally:
             self._unlink()
@@ -187,6 +186,8 @@ class Workspace:
         try:
             fd = os.memfd_create(f"tpcomm-r{self.rank}")
             self._memfd = fd
+            # closed by close(), or when the workspace is collected without it (no descriptor leaks)
+            self._memfd_finalizer = weakref.finalize(self, os.close, fd)
             path = f"/proc/{os.getpid()}/fd/{fd}"
             self._shm_paths = [path]
             return fd, path
@@ -195,6 +196,11 @@ class Workspace:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             self._shm_paths = [path]
             return fd, path
+
+    def _close_memfd(self) -> None:
+        if self._memfd is not None:
+            self._memfd_finalizer()  # os.close, once
+            self._memfd = None
 
     def _arm(self, buffer: torch.Tensor) -> None:
         """Zero the signal pad and fill the Lamport buffers with the sentinel (before any peer maps it)."""
@@ -271,9 +277,7 @@ class Workspace:
             return
         self.closed = True
         self._unlink()
-        if self._memfd is not None:
-            os.close(self._memfd)
-            self._memfd = None
+        self._close_memfd()
         self.peer_buffers = []
         self.buffer = None
         self._handle = None
