@@ -218,9 +218,12 @@ def check() -> int:
         mp = cfg.max_programs if cfg.max_programs is not None else \
             ("default, from the SM count" if device == "cuda" else "4 (CPU interpreter)")
         line("in effect", f"algo={cfg.algo}, timeout_s={cfg.timeout_s:g}, max_programs={mp}")
-        hopper = cuda and n >= 1 and torch.cuda.get_device_capability(0) >= (9, 0)
-        line("programmatic launch", ("on" if cfg.pdl and hopper else "off") + " ("
-             + ("TPCOMM_PDL=0" if not cfg.pdl else "sm_90+ GPU" if hopper else "needs an sm_90+ GPU") + ")")
+        from .workspace import pdl_supported
+
+        able = device == "cuda" and pdl_supported(torch.device("cuda", 0))
+        line("programmatic launch", ("on" if cfg.pdl and able else "off") + " ("
+             + ("TPCOMM_PDL=0" if not cfg.pdl else "GPU ranks on sm_90+" if able
+                else "needs GPU ranks on sm_90+ GPUs") + ")")
     except ValueError as e:
         cfg = None
         status = 1
