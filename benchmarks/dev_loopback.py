@@ -90,7 +90,8 @@ def run_one(variant, world, calls, replays, max_programs):
                 exact = all(_same(f[0], o_ref) and _same(f[1], ro_ref) and _same(q[0], q_ref)
                             and _same(q[1], sc_ref) and _same(y, s) for f, q, y in got)
                 ok &= exact
-                row = dict(variant=variant, world=world, pdl=ranks[0].workspace.pdl, max_programs=max_programs,
+                row = dict(variant=variant, world=world, pdl=ranks[0].workspace.pdl,
+                           max_programs=ranks[0].workspace.max_programs,
                            algo=algo, T=T,
                            exact=exact, fused_us=round(graph_us(ranks, fused, calls, replays), 2),
                            fp8_us=round(graph_us(ranks, fp8, calls, replays), 2),
@@ -109,8 +110,9 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--max-programs", type=int, default=16,
-                    help="grid cap of every variant (default 16: 132 SMs / (4 x 2 ranks), room for PDL)")
+    ap.add_argument("--max-programs", type=int, default=None,
+                    help="grid cap of every variant (default: loopback_group's, SMs / (4 x world) with PDL; "
+                         "give one to compare variants that differ in PDL on the same grid)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a single variant, in this process
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -126,7 +128,7 @@ def main():
     for v in variants:
         proc = subprocess.run([sys.executable, __file__, "--one", v, "--world", str(args.world),
                                "--calls", str(args.calls), "--replays", str(args.replays),
-                               "--max-programs", str(args.max_programs)],
+                               *(["--max-programs", str(args.max_programs)] if args.max_programs else [])],
                               capture_output=True, text=True, timeout=600)
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         rows += lines

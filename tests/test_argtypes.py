@@ -99,6 +99,7 @@ def test_a_cpu_workspace_never_launches_with_pdl():
     import torch
     from tpcomm.workspace import Workspace, pdl_supported
     assert not pdl_supported(torch.device("cpu"))
+    assert not pdl_supported(torch.device("cuda", 0))  # the interpreter is on: decided before any CUDA query
     ws = Workspace.__new__(Workspace)
     ws._lay_out(0, 2, torch.device("cpu"), 1 << 16, 4, 1.0, 0, pdl=True)
     assert ws.launch_options() == {"PDL": False, "launch_pdl": False}
@@ -113,3 +114,13 @@ def test_a_sub_nanosecond_timeout_still_waits(timeout_s):
     ws = Workspace.__new__(Workspace)
     ws._lay_out(0, 2, torch.device("cpu"), 1 << 16, 4, timeout_s, 0, pdl=False)
     assert ws.timeout == 1
+
+
+@pytest.mark.parametrize("kwargs,error", [(dict(world_size=1), ValueError), (dict(timeout_s=0), ValueError),
+                                          (dict(timeout_s="1"), TypeError), (dict(max_bytes=0), ValueError),
+                                          (dict(max_bytes=1.5), TypeError)])
+def test_loopback_group_checks_its_arguments_before_looking_for_a_gpu(kwargs, error):
+    from tpcomm.loopback import loopback_group
+    args = dict(world_size=2) | kwargs
+    with pytest.raises(error):
+        loopback_group(**args)

@@ -115,7 +115,9 @@ class Communicator:
         TypeError, ValueError: ``max_bytes`` or ``timeout_s`` is out of range or of the wrong type, or a
             ``TPCOMM_*`` variable is invalid, on this rank; on the other ranks a ValueError naming the
             rank that refused (every rank raises, none waits for it); or ``max_bytes`` differs between
-            ranks; or this process is not a member of ``group``.
+            ranks; or this process is not a member of ``group`` (the placeholder ``new_group`` returns on
+            the ranks it leaves out; with ``use_local_synchronization=True`` those ranks get None, which
+            means the default group here, as everywhere in torch.distributed).
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -339,7 +341,7 @@ class Communicator:
                 :func:`~tpcomm.quant.per_group_quant_fp8` applied to the unquantised ``out``.
             fp8_dtype: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz`` (MAX 240).
             group_size: elements per scale of ``fp8_per_group`` (default 128, DeepSeek-V3's 1 x 128);
-                a power of two that divides H.
+                a power of two that divides H. Another value with ``fp8_per_token`` raises ValueError.
             column_major_scales: ``fp8_per_group`` only, ``x`` 2-D: return the scales as the transpose
                 view of a contiguous ``(H / group_size, T)`` tensor (the layout grouped GEMMs read).
             emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
@@ -454,8 +456,9 @@ class Communicator:
         if n == 0:
             return out
         plan = self.plan("all_gather", n * x.element_size(), n, x.dtype)  # whichever op it serves
-        if plan.algorithm != "fallback" and W * n > MAX_INDEXED_ELEMS:
-            plan = dispatch.Plan("fallback", "output of 2**31 elements or more")
+        moved = n if x.dtype in dispatch.KERNEL_DTYPES else n * x.element_size()  # other dtypes move as bytes
+        if plan.algorithm != "fallback" and W * moved > MAX_INDEXED_ELEMS:
+            plan = dispatch.Plan("fallback", "output of 2**31 elements (bytes, for dtypes moved as bytes) or more")
         if plan.algorithm == "fallback":
             out.copy_(reference.all_gather_reference(x, self.group))
             return out

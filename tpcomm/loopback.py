@@ -45,17 +45,17 @@ class LoopbackRank(Communicator):
     communicators of this process on the same GPU. Its kernels run on :attr:`stream` (use
     :func:`run_ranks`, or ``torch.cuda.stream(rank.stream)``). Ops and arguments as
     :class:`~tpcomm.Communicator`; what a real group would send to ``torch.distributed`` raises
-    ``RuntimeError`` instead. ``TPCOMM_ALGO`` and ``TPCOMM_DISPATCH_TABLE`` apply; the timeout and the
-    grid cap are :func:`loopback_group`'s arguments (``TPCOMM_TIMEOUT_S`` and ``TPCOMM_MAX_PROGRAMS``
-    are not read)."""
+    ``RuntimeError`` instead. ``TPCOMM_ALGO``, ``TPCOMM_DISPATCH_TABLE`` and ``TPCOMM_PDL`` apply; the
+    timeout and the grid cap are :func:`loopback_group`'s arguments (``TPCOMM_TIMEOUT_S`` and
+    ``TPCOMM_MAX_PROGRAMS`` are checked, as every ``TPCOMM_*`` variable, but not used)."""
 
-    def __init__(self, rank: int, world_size: int, workspace: Workspace):
+    def __init__(self, rank: int, world_size: int, workspace: Workspace, max_bytes: int):
         self.group = None
         self.rank = rank
         self.world_size = world_size
         self.env = read_env()
         self.device = workspace.device
-        self.max_bytes = workspace.slot_bytes
+        self.max_bytes = max_bytes
         self.timeout_s = workspace.timeout_s
         self.algorithm = self.env.algo
         self._init_calls()
@@ -117,7 +117,7 @@ def loopback_group(world_size: int, device: torch.device | str | None = None,
     workspaces = Workspace.loopback(world_size, device, max_bytes, max_programs, timeout_s,
                                     min(max_bytes, dispatch.LAMPORT_MAX_BYTES), pdl)
     torch.cuda.synchronize(device)
-    return [LoopbackRank(r, world_size, ws) for r, ws in enumerate(workspaces)]
+    return [LoopbackRank(r, world_size, ws, max_bytes) for r, ws in enumerate(workspaces)]
 
 
 def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> list:
@@ -128,8 +128,9 @@ def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> l
     ``fn`` should make one collective call: rank 0's kernel waits on the GPU while the host issues the
     other ranks' launches, so several calls in one ``fn`` (each compiling its kernel on first use) can
     keep the peers' launches of the first call back past the timeout. When ``fn`` raises for a rank, the
-    later ranks are still issued (so no peer waits for them) and the first exception is raised after
-    every stream is joined."""
+    later ranks are still issued (a rank that raised after its launch then has its peers; one that raised
+    before launching leaves them waiting until the timeout, as a skipped call would) and the first
+    exception is raised after every stream is joined."""
     current = torch.cuda.current_stream(ranks[0].device)
     results, error = [], None
     try:

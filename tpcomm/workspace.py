@@ -101,7 +101,7 @@ class Workspace:
         self.total_bytes = self.flag_bytes + self.data_bytes + self.lamport_bytes + self.tag_bytes
         self.timeout_s = timeout_s
         # nanoseconds, as the kernels' waits count them; at least 1, since 0 means "an earlier wait failed"
-        self.timeout = max(1, int(timeout_s * 1e9))
+        self.timeout = min(max(1, int(timeout_s * 1e9)), 1 << 62)
         self.pdl = bool(pdl) and pdl_supported(device)
         self._shm_paths: list[str] = []
         self._memfd: int | None = None
