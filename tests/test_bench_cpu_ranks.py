@@ -25,6 +25,8 @@ def test_sweep_on_cpu_ranks(pool2):
     assert {"copy_ce", "copy_sm"} <= set(doc["unavailable"])
     assert not failures(doc) and not tpcomm_failed(doc)
     assert "all_gather" in format_report(doc)
+    assert doc["environment"]["pdl"] is False  # CPU ranks never launch with PDL
+    assert doc["environment"]["tpcomm_commit"]  # the tests run from a git checkout
 
 
 def test_a_wrong_contender_is_reported_and_not_timed(pool2):

@@ -112,7 +112,8 @@ def _run(cfg: BenchConfig, json_path: str, est: float) -> int:
     env["wall_s"] = round(time.perf_counter() - t0, 1)
     env["estimated_s"] = round(est, 1)
     print(f"\n{env['gpu']} x {cfg.world_size}, torch {env['torch']}, triton {env['triton']}, NCCL {env['nccl']}, "
-          f"FlashInfer {env['flashinfer']}; {env['wall_s']:.0f} s (estimated {est:.0f} s)")
+          f"FlashInfer {env['flashinfer']}; tpcomm {env.get('tpcomm_commit') or '(no git)'}, "
+          f"PDL {'on' if env.get('pdl') else 'off'}; {env['wall_s']:.0f} s (estimated {est:.0f} s)")
     print(format_report(doc))
     write_json(doc, json_path)
     stem = os.path.splitext(json_path)[0]
