@@ -49,9 +49,10 @@ def read_env() -> EnvConfig:
     Raises:
         ValueError: a variable holds a value outside its documented range.
     """
-    algo = (os.environ.get("TPCOMM_ALGO") or "auto").strip().lower()  # set but empty: unset
+    raw_algo = os.environ.get("TPCOMM_ALGO")
+    algo = (raw_algo or "auto").strip().lower()  # set but empty: unset
     if algo not in ALGO_CHOICES:
-        raise ValueError(f"TPCOMM_ALGO={algo!r}: expected one of {', '.join(ALGO_CHOICES)}")
+        raise ValueError(f"TPCOMM_ALGO={raw_algo!r}: expected one of {', '.join(ALGO_CHOICES)}")
     raw = os.environ.get("TPCOMM_TIMEOUT_S") or "30"
     try:
         timeout_s = float(raw)
