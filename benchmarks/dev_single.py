@@ -114,7 +114,7 @@ def patch_for_one_rank():
         self.workspace = Workspace(self.group, self.device, self.max_bytes, self._local_programs(),
                                    self.timeout_s,
                                    lamport_slot_bytes=min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES),
-                                   pdl=self._pdl())
+                                   pdl=self.env.pdl)
         return None
 
     dispatch.choose = choose_any_world

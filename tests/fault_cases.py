@@ -69,8 +69,8 @@ FP8_FAULTS = {
     "fp8, peer another group size": ([("fp8:fn/g16", (2, 64), BF16)], [("fp8:fn/g32", (2, 64), BF16)]),
 }
 FAULTS.update(FP8_FAULTS)
-OP_NAMES = {"fp8": "fused_add_rmsnorm", "fused": "fused_add_rmsnorm", "all_reduce": "all_reduce", "all_gather": "all_gather",
-            "reduce_scatter": "reduce_scatter"}
+OP_NAMES = {"fp8": "fused_add_rmsnorm", "fused": "fused_add_rmsnorm", "all_reduce": "all_reduce",
+            "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
 def expected_errors(fault: str) -> dict[int, tuple[str, int, int]]:
@@ -84,9 +84,8 @@ def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
     """Make one call with seeded small-integer inputs; returns how its result differs from the right one
     (empty when right). ``op`` may name a ``dim`` too: ``"all_gather:1"``, or FP8 options:
     ``"fp8:<FP8_SPECS key>"``."""
-    op, _, dim = op.partition(":")
-    spec = dim if op == "fp8" else None
-    dim = int(dim or 0) if spec is None else 0
+    op, _, arg = op.partition(":")
+    dim = 0 if op == "fp8" else int(arg or 0)
     xs = all_inputs(seed, world_size, shape, dtype, "int")
     fails: list = []
     if op == "all_reduce":
@@ -103,18 +102,15 @@ def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
         comm.check()
         share = torch.tensor_split(tpcomm.reduce_in_rank_order(xs), world_size, dim)[rank]
         _catch(fails, assert_same_bits, y, share, "reduce_scatter")
-    elif op == "fp8":  # "fp8:<fp8 dtype>:<group size>": per group when a group size is given
+    else:  # fused, or "fp8:<FP8_SPECS key>": fused with FP8 output (per group when a group size is given)
         res = residual_input(seed, shape, dtype, "int")
         w = weight_input(seed, shape[-1], dtype)
-        fmt, group = FP8_SPECS[spec]
-        kw = dict(quant="fp8_per_group", group_size=group) if group else dict(quant="fp8_per_token")
-        q, s, ro, out = comm.fused_add_rmsnorm(xs[rank], res, w, fp8_dtype=fmt, emit_unquantized=True, **kw)
-        comm.check()
-        check_fused(fails, out, ro, xs, res, w)
-    else:
-        res = residual_input(seed, shape, dtype, "int")
-        w = weight_input(seed, shape[-1], dtype)
-        out, ro = comm.fused_add_rmsnorm(xs[rank], res, w)
+        if op == "fp8":
+            fmt, group = FP8_SPECS[arg]
+            kw = dict(quant="fp8_per_group", group_size=group) if group else dict(quant="fp8_per_token")
+            _, _, ro, out = comm.fused_add_rmsnorm(xs[rank], res, w, fp8_dtype=fmt, emit_unquantized=True, **kw)
+        else:
+            out, ro = comm.fused_add_rmsnorm(xs[rank], res, w)
         comm.check()
         check_fused(fails, out, ro, xs, res, w)
     return fails

@@ -116,10 +116,10 @@ def test_all_gather_and_reduce_scatter(groups, W, T):
     group = groups(W)
     xs, _, _ = _inputs(W, T, 2048, torch.bfloat16, seed=T)
     s = R.reduce_in_rank_order(xs)
-    gathered = run_ranks(group, lambda rank: rank.all_gather(xs[rank.rank]))
+    gathers = run_ranks(group, lambda rank: rank.all_gather(xs[rank.rank]))
     shares = run_ranks(group, lambda rank: rank.reduce_scatter(xs[rank.rank]))
     torch.cuda.synchronize()
-    for r, (gathered, share) in enumerate(zip(gathered, shares)):
+    for r, (gathered, share) in enumerate(zip(gathers, shares)):
         assert _same(gathered, torch.cat(xs)), f"rank {r}: all_gather"
         assert _same(share, torch.tensor_split(s, W)[r]), f"rank {r}: reduce_scatter"
 

@@ -18,7 +18,7 @@ from .errors import PeerMismatchError, PeerTimeoutError
 from .fp8_outputs import check_unquantized_call, fp8_outputs
 from .quant import DEFAULT_GROUP_SIZE
 from .kernels.sync import MISMATCH_CODE, call_signature
-from .workspace import Workspace, pdl_supported
+from .workspace import Workspace
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
@@ -228,7 +228,7 @@ class Communicator:
         try:
             ws = Workspace(self.group, self.device, self.max_bytes, max_programs, self.timeout_s,
                            lamport_slot_bytes=min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES),
-                           pdl=self._pdl())
+                           pdl=self.env.pdl)  # the workspace keeps it only where pdl_supported
         except Exception as e:  # any rank's failure sends every rank to the fallback
             ws, error = None, f"workspace set-up failed on rank {self.rank}: {e}"
         errors: list = [None] * self.world_size
@@ -240,11 +240,6 @@ class Communicator:
             return failed[0]
         self.workspace = ws
         return None
-
-    def _pdl(self) -> bool:
-        """Whether kernels launch with programmatic dependent launch: ``TPCOMM_PDL`` and
-        :func:`~tpcomm.workspace.pdl_supported`."""
-        return self.env.pdl and pdl_supported(self.device)
 
     def _local_programs(self) -> int:
         if self.env.max_programs is not None:
@@ -296,7 +291,7 @@ class Communicator:
             overlap = x.is_contiguous() and out.is_contiguous() and _partly_overlaps(out, x)
         if x.numel() == 0:
             return out
-        if self._integer_through_kernels(x):
+        if self._integer_through_kernels(x.dtype):
             out.copy_(self._integer_sum(op, x, (tuple(x.shape),)).view(x.shape))
             return out
         n = x.numel()
@@ -456,8 +451,10 @@ class Communicator:
         if n == 0:
             return out
         plan = self.plan("all_gather", n * x.element_size(), n, x.dtype)  # whichever op it serves
-        moved = n if x.dtype in dispatch.KERNEL_DTYPES else n * x.element_size()  # other dtypes move as bytes
-        if plan.algorithm != "fallback" and W * moved > MAX_INDEXED_ELEMS:
+        as_bytes = x.dtype not in dispatch.KERNEL_DTYPES  # a copy: move the bytes (integers, FP8, bool, float64)
+        if as_bytes:
+            n *= x.element_size()  # from here on, n counts what the kernel moves
+        if plan.algorithm != "fallback" and W * n > MAX_INDEXED_ELEMS:
             plan = dispatch.Plan("fallback", "output of 2**31 elements (bytes, for dtypes moved as bytes) or more")
         if plan.algorithm == "fallback":
             out.copy_(reference.all_gather_reference(x, self.group))
@@ -465,9 +462,8 @@ class Communicator:
         from .kernels.gather import all_gather
 
         src, dst = x.contiguous().view(-1), out.view(-1)
-        if x.dtype not in dispatch.KERNEL_DTYPES:  # a copy: move the bytes (integers, FP8, bool, float64)
+        if as_bytes:
             src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-            n = src.numel()
         width = self._all_reduce_width(n, src.element_size())
         cfg = dispatch.row_config(width, self.workspace.max_programs)
         n_rows = -(-n // width)
@@ -518,7 +514,7 @@ class Communicator:
         out = torch.empty((length, *x.shape[1:]), dtype=x.dtype, device=x.device)
         if x.numel() == 0:
             return out
-        if self._integer_through_kernels(x):
+        if self._integer_through_kernels(x.dtype):
             out.copy_(self._integer_sum(op, x, call).view(x.shape)[start:start + length])
             return out
         H = x.numel() // T
@@ -540,12 +536,13 @@ class Communicator:
                            norm=False, gemma=False, scatter_only=True, call=call)
         return out
 
-    def _integer_through_kernels(self, x: torch.Tensor) -> bool:
-        """Integer sums go through the all-gather kernel (a copy of the bytes, with the flags' bounded
-        waits and call signatures) and an exact sum here, rather than ``torch.distributed``: a peer that
-        makes another call then raises instead of leaving this rank blocked in the backend, and every
-        integer dtype works (gloo has no int16, uint16, uint32 or uint64)."""
-        return (not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+    def _integer_through_kernels(self, dtype: torch.dtype) -> bool:
+        """Whether sums of ``dtype`` are integer sums through the all-gather kernel (a copy of the bytes,
+        with the flags' bounded waits and call signatures) and an exact sum here, rather than
+        ``torch.distributed``: a peer that makes another call then raises instead of leaving this rank
+        blocked in the backend, and every integer dtype works (gloo has no int16, uint16, uint32 or
+        uint64)."""
+        return (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
                 and self.uses_kernels and self.algorithm != "fallback")
 
     def _integer_sum(self, op: str, x: torch.Tensor, call: tuple) -> torch.Tensor:
@@ -604,8 +601,7 @@ class Communicator:
 
     def _make_plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
         """:meth:`plan` without the cache."""
-        integer = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
-        if op in ("all_reduce", "reduce_scatter") and integer and self.uses_kernels and self.algorithm != "fallback":
+        if op in ("all_reduce", "reduce_scatter") and self._integer_through_kernels(dtype):
             return dispatch.Plan("push", "integer sum: every rank's input through the all-gather kernel, "
                                          "added here in int64 (exact)")
         es = _elsize(dtype)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import TWO_SHOT_GRID_FACTOR
+from .env import interpreter_enabled
 
 _ALIGN = 256
 #: Flag exchanges per launch (kernels/sync.py): two-shot signals after its scatter and its gather.
@@ -45,8 +46,6 @@ def _round_up(n: int, m: int) -> int:
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can launch with programmatic dependent launch: a CUDA GPU of compute
     capability 9.0 or more (``griddepcontrol``), kernels compiled (not under the interpreter)."""
-    from .env import interpreter_enabled
-
     return (device.type == "cuda" and not interpreter_enabled()
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
@@ -66,8 +65,8 @@ class Workspace:
             (``dispatch.row_config``); the signal pad has flags for that many (``pad_programs``) per
             peer, phase and parity.
         timeout_s: how long a kernel waits for a peer.
-        pdl: launch the kernels with programmatic dependent launch (CUDA on sm_90+ only; ignored on the
-            CPU): a kernel starts launching while the one before it on the stream finishes.
+        pdl: launch the kernels with programmatic dependent launch where :func:`pdl_supported` (ignored
+            elsewhere): a kernel starts launching while the one before it on the stream finishes.
 
     Raises:
         RuntimeError: the backend could not allocate or map the buffers (the caller falls back).
@@ -103,6 +102,7 @@ class Workspace:
         # nanoseconds, as the kernels' waits count them; at least 1, since 0 means "an earlier wait failed"
         self.timeout = min(max(1, int(timeout_s * 1e9)), 1 << 62)
         self.pdl = bool(pdl) and pdl_supported(device)
+        self._launch_options = {"PDL": self.pdl, "launch_pdl": self.pdl}  # built once: read by every launch
         self._shm_paths: list[str] = []
         self._memfd: int | None = None
         self._handle = None
@@ -141,7 +141,7 @@ class Workspace:
     def launch_options(self) -> dict:
         """Keyword arguments every communication kernel's launch takes: ``PDL`` (the kernels' constexpr,
         :func:`tpcomm.kernels.sync.read_epoch`) and Triton's ``launch_pdl``, both ``self.pdl``."""
-        return {"PDL": self.pdl, "launch_pdl": self.pdl}
+        return self._launch_options
 
     # -- backends -----------------------------------------------------------------------------------
     def _alloc_cuda(self) -> list[int]:
