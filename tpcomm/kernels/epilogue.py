@@ -25,12 +25,19 @@ import triton.language as tl
 
 from ..env import interpreter_enabled
 from .quant import (abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, quantize, row_amax,
-                    token_division, widen)
+                    store_fp8, token_division, widen)
 
 #: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
 QUANT_NONE = tl.constexpr(0)
 QUANT_PER_TOKEN = tl.constexpr(1)
 QUANT_PER_GROUP = tl.constexpr(2)
+
+#: ``SUM`` of :func:`reduce_norm_row`: where the row's sum ``s`` comes from: reduced from the ranks' rows
+#: (:func:`reduce_tile`), loaded as another program computed it (two-shot's gathered rows), or given
+#: (``s_pre``: Lamport, which sums the tiles as its poll loaded them).
+SUM_REDUCE = tl.constexpr(0)
+SUM_LOAD = tl.constexpr(1)
+SUM_GIVEN = tl.constexpr(2)
 
 #: Load the weight and the first row's residual before the wait (one-tile rows of one-shot and Lamport,
 #: :func:`preload_row`): a constant, so ``benchmarks/dev_single.py`` can time the kernels without it.
@@ -78,11 +85,11 @@ def reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: t
 
 @triton.jit
 def sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: tl.constexpr,
-             PRE_REDUCED: tl.constexpr, DTYPE: tl.constexpr):
-    """The contract's ``s`` for one tile, in ``DTYPE``: :func:`reduce_tile` rounded, or, with
-    ``PRE_REDUCED``, ``s`` as another program already computed it, loaded from ``recv_row_ptr`` (two-shot's
+             SUM: tl.constexpr, DTYPE: tl.constexpr):
+    """The contract's ``s`` for one tile, in ``DTYPE``: :func:`reduce_tile` rounded (``SUM_REDUCE``), or
+    ``s`` as another program already computed it, loaded from ``recv_row_ptr`` (``SUM_LOAD``: two-shot's
     gathered rows)."""
-    if PRE_REDUCED:
+    if SUM == SUM_LOAD:
         return tl.load(recv_row_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
     else:
         return round_to(reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD), DTYPE)
@@ -160,14 +167,14 @@ def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, w_pre, GEMMA: tl.constexpr
 
 @triton.jit
 def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, H,
-                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, SRC16: tl.constexpr):
+                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, SRC_BITS: tl.constexpr):
     """Per-group FP8 of one tile of ``out`` (float32 ``o``): the tile holds whole groups (``GROUP``
     divides ``BLOCK_H``), so bytes and scales are stored at once (docs/numerics.md item 4, per group).
-    ``SRC16``: ``out`` is 16-bit (``quant.divide`` may take its fast path)."""
+    ``SRC_BITS``: the bits of ``out``'s dtype (16-bit ones may take ``quant.divide``'s fast path)."""
     NG: tl.constexpr = o.shape[0] // GROUP
     sc = fp8_scale(group_amax(o, mask, GROUP), FP8)
-    lane_scales, recip, fast = group_division(sc, SRC16, GROUP)
-    tl.store(q_row_ptr + cols, quantize(o, lane_scales, recip, fast, FP8, NATIVE_FP8), mask=mask)
+    lane_scales, recip, fast = group_division(sc, SRC_BITS == 16, GROUP)
+    store_fp8(q_row_ptr, cols, quantize(o, lane_scales, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
     g = tile * NG + tl.arange(0, NG)
     tl.store(s_row_ptr + g * s_group_stride, sc, mask=g * GROUP < H)
 
@@ -175,13 +182,14 @@ def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, 
 @triton.jit
 def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_row_ptr, w_ptr,
                     out_row_ptr, q_row_ptr, s_row_ptr, s_group_stride, row_start, numel, H, eps, rank,
-                    res_pre, w_pre, use_pre,
+                    res_pre, w_pre, use_pre, s_pre,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-                    PRE_REDUCED: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr,
+                    SUM: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr,
                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, PRELOAD: tl.constexpr):
-    """Reduce one row over the ranks (or, with ``PRE_REDUCED``, load its sum ``s`` from
-    ``recv_row_ptr``) and run the epilogue.
+    """Reduce one row over the ranks (``SUM_REDUCE``; or, with ``SUM_LOAD``, load its sum ``s`` from
+    ``recv_row_ptr``; or, with ``SUM_GIVEN``, a row of one tile only, take it from ``s_pre``, rounded to
+    the input dtype) and run the epilogue.
 
     Without ``NORM`` stores ``s`` to ``out``. With ``NORM`` stores ``residual_out`` (when
     ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN`` or
@@ -196,12 +204,16 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     ``PRELOAD`` (one-tile rows with ``NORM`` only): the weight is ``w_pre`` and, where ``use_pre``, the
     residual is ``res_pre`` (:func:`preload_row`); callers without it pass any tensors and False.
     """
-    SRC16: tl.constexpr = out_row_ptr.dtype.element_ty.primitive_bitwidth == 16
+    SRC_BITS: tl.constexpr = out_row_ptr.dtype.element_ty.primitive_bitwidth
+    SRC16: tl.constexpr = SRC_BITS == 16
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
         mask = (offs < H) & (row_start + offs < numel)
-        s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD, PRE_REDUCED,
-                     out_row_ptr.dtype.element_ty)
+        if SUM == SUM_GIVEN:
+            s = s_pre
+        else:
+            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD, SUM,
+                         out_row_ptr.dtype.element_ty)
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, res_pre, use_pre, HAS_RESIDUAL,
                               PRELOAD)
@@ -210,19 +222,20 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(row_amax(o, mask), FP8)
                 recip, fast = token_division(scale, SRC16)
-                tl.store(q_row_ptr + offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask=mask)
+                store_fp8(q_row_ptr, offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
             elif QUANT == QUANT_PER_GROUP:
                 quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, offs, mask, 0, H, FP8, NATIVE_FP8,
-                                 GROUP, SRC16)
+                                 GROUP, SRC_BITS)
         else:
             tl.store(out_row_ptr + offs, s, mask=mask)
     else:
+        tl.static_assert(SUM != SUM_GIVEN, "a given sum is one tile")
         sq = tl.zeros([BLOCK_H], dtype=tl.float32)
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD, PRE_REDUCED,
+            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD, SUM,
                          out_row_ptr.dtype.element_ty)
             if NORM:
                 if HAS_RESIDUAL:
@@ -250,7 +263,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     amax_bits = tl.maximum(amax_bits, abs_bits(o, mask))
                 elif QUANT == QUANT_PER_GROUP:
                     quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
-                                     NATIVE_FP8, GROUP, SRC16)
+                                     NATIVE_FP8, GROUP, SRC_BITS)
             if QUANT == QUANT_PER_TOKEN:
                 scale = fp8_scale(amax_from_bits(amax_bits), FP8)
                 recip, fast = token_division(scale, SRC16)
@@ -259,7 +272,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     cols = t * BLOCK_H + offs
                     mask = cols < H
                     o = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
-                    tl.store(q_row_ptr + cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask=mask)
+                    store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
 
 

@@ -7,8 +7,9 @@ Algorithm: receive buffers hold the sentinel bit pattern 0x8000 (-0.0 in bf16 an
 Program ``p`` pushes its rows into slot ``rank`` of every peer's buffer, storing +0.0 wherever the input
 holds -0.0 (the sum is unchanged: the contract's accumulator starts at +0.0), so no pushed element ever
 has the sentinel's bits. It then polls its own buffer until no element of the row's tile holds the
-sentinel, sums in rank order with the same ``epilogue.py`` code as every other algorithm (so the bits are
-the same), runs the epilogue and writes the sentinel back into what it read (re-arming the buffer).
+sentinel, sums in rank order with the same additions as every other algorithm (so the bits are the same;
+rows of one tile are summed from the tiles as the poll's last round loaded them, not read again), runs
+``epilogue.py``'s epilogue and writes the sentinel back into what it read (re-arming the buffer).
 
 Call tags: after its rows, each program stores the call's signature (as ``one_shot.py``'s flags carry it)
 into an int32 tag of every peer, indexed by parity, program and sender, and polls the tags its peers
@@ -31,7 +32,9 @@ When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.p
 import triton
 import triton.language as tl
 
-from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, no_quant_args, preload_row, reduce_norm_row
+from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row,
+                       round_to)
+from .quant import widen
 from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
                    record_timeout)
 
@@ -43,23 +46,29 @@ TAG_SENTINEL = tl.constexpr(-2147450880)
 
 @triton.jit
 def _poll_code(p, mask, tag_ptr, signature, waited, timeout):
-    """One round of :func:`_poll_tile`'s wait: the block-wide max of its per-lane code (see there)."""
+    """One round of :func:`_poll_tile`'s wait: ``(code, tile)``, the block-wide max of its per-lane code
+    (see there) and the tile as loaded."""
     seen = tl.load(tag_ptr, volatile=True)
-    bits = tl.load(p, mask=mask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
+    tile = tl.load(p, mask=mask, other=0.0, volatile=True)
+    bits = tile.to(tl.int16, bitcast=True)
     missing = (bits == SENTINEL) | (seen == TAG_SENTINEL)  # per lane
     code = ((bits == SENTINEL).to(tl.int32) + tl.where(seen == TAG_SENTINEL, 2, 0)
             + tl.where(missing & (waited >= timeout), 4, 0)  # expired: only where something is missing
             + tl.where((seen != signature) & (seen != TAG_SENTINEL), 8, 0))
-    return tl.max(code, axis=0)
+    return tl.max(code, axis=0), tile
 
 
 @triton.jit
-def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature, timeout,
-               err_ptr, state_ptr, WORLD: tl.constexpr):
+def _poll_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
+               timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
     """Spin until, for every peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) has arrived
     and no element of this tile in ``q``'s slot holds the sentinel (bounded). A tag with another
     signature ends the wait at once and records ``ERR_MISMATCH``; an expired wait records
-    ``ERR_TIMEOUT``. Returns the timeout left for later waits: ``timeout``, or 0 once a wait failed.
+    ``ERR_TIMEOUT``. Returns ``(acc, timeout)``: the tile summed over the ranks in rank order in float32
+    from +0.0 (this rank's own row read from ``x_row_ptr``, every peer's as the last round of its poll
+    loaded it: the same additions as ``epilogue.reduce_tile``, without reading the buffer again; -0.0
+    pushed as +0.0 adds the same), and the timeout left for later waits: ``timeout``, or 0 once a wait
+    failed (``acc`` is then undefined).
 
     The tag is polled in the same loop as the data, not in a wait of its own before it: that wait cost
     0.18-1.01 µs a call at 1-64 x 6144 bf16 against no tag at all, and polling it in the loop instead came
@@ -75,21 +84,26 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
     inside the loop are reached by every warp the same number of times. A timeout of 0 (an earlier wait
     failed) leaves at once, and the call then counts as failed whatever arrived (the error recorded
     first stays)."""
+    own = widen(tl.load(x_row_ptr + cols, mask=mask, other=0.0))  # issued before the wait
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        if q != rank:
+        if q == rank:
+            acc += own
+        else:
             p = recv_row_ptr + q * slot_stride + cols
             start = now_ns()
             waited = start - start
-            code = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
+            code, tile = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
             while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
                 waited = now_ns() - start
-                code = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
+                code, tile = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
             if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if code >= 8:
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
             timeout = tl.where((code != 0) | (timeout == 0), 0, timeout)
-    return timeout
+            acc += widen(tile)
+    return acc, timeout
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -129,6 +143,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
 
     # The first row's residual and the weight, loaded now so that their latency hides under the wait.
     PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
+    SUM_FROM: tl.constexpr = SUM_GIVEN if NUM_TILES == 1 else SUM_REDUCE
     if PRELOAD:
         res_pre, w_pre = preload_row(res_ptr + pid * H, w_ptr, pid * H, numel, H, BLOCK_H, HAS_RESIDUAL)
     else:
@@ -140,16 +155,23 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     recv_bits = peer_ptr(buf_table_ptr, rank, tl.int16) + par * parity_stride
     for row in range(pid, n_rows, num_programs):
         row_start = row * H
-        for t in tl.static_range(NUM_TILES):
-            cols = t * BLOCK_H + offs
-            mask = (cols < H) & (row_start + cols < numel)
-            timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, tags, rank, epoch, pid,
-                                 signature, timeout, err_ptr, state_ptr, WORLD)
+        if NUM_TILES == 1:  # the sum as the poll loaded the tiles (rows of several tiles read them again)
+            mask = (offs < H) & (row_start + offs < numel)
+            acc, timeout = _poll_tile(x_ptr + row_start, recv + row * row_stride, slot_stride, offs, mask, tags,
+                                      rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD)
+            s_pre = round_to(acc, x_ptr.dtype.element_ty)
+        else:
+            for t in tl.static_range(NUM_TILES):
+                cols = t * BLOCK_H + offs
+                mask = (cols < H) & (row_start + cols < numel)
+                _, timeout = _poll_tile(x_ptr + row_start, recv + row * row_stride, slot_stride, cols, mask,
+                                        tags, rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD)
+            s_pre = offs
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
-                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid,
-                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, False,
+                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid, s_pre,
+                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_FROM,
                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)
         tl.debug_barrier()
         for t in tl.static_range(NUM_TILES):

@@ -23,7 +23,7 @@ crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/benc
 import triton
 import triton.language as tl
 
-from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, no_quant_args, preload_row, reduce_norm_row
+from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
@@ -75,8 +75,8 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
-                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid,
-                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, False,
+                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid, offs,
+                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_REDUCE,
                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)
 
     finish_program(state_ptr, epoch, num_programs)

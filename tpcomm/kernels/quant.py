@@ -238,6 +238,21 @@ def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr)
 
 
 @triton.jit
+def store_fp8(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
+    """Store FP8 bytes ``code`` (uint8) at ``q_ptr + cols``, ``128 // SRC_BITS`` contiguous bytes a thread:
+    as many as the thread holds elements of the 16-bit or 32-bit tile they were computed from.
+
+    Left to itself, Triton gives the byte store 16 contiguous bytes a thread, its widest access, and
+    therefore another layout than the 16-byte loads and stores of the source tile (8 bf16 elements a
+    thread), so the compiler moves the tiles between the two layouts through shared memory: in the
+    fused Lamport kernel at hidden 6144 bf16, four layout conversions and twelve more barriers
+    (``benchmarks/compile_sm90.py``'s sm_90 build of it). The contiguity hint makes the byte store take
+    the source's layout instead; it changes no byte.
+    """
+    tl.store(tl.max_contiguous(q_ptr + cols, 128 // SRC_BITS), code, mask=mask)
+
+
+@triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride,
                             FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                             BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr):
@@ -245,14 +260,15 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride,
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * q_row_stride
-    SRC16: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    SRC_BITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
+    SRC16: tl.constexpr = SRC_BITS == 16
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
         mask = offs < H
         v = widen(tl.load(x_row + offs, mask=mask, other=0.0))
         scale = fp8_scale(row_amax(v, mask), FP8)
         recip, fast = token_division(scale, SRC16)
-        tl.store(q_row + offs, quantize(v, scale, recip, fast, FP8, NATIVE_FP8), mask=mask)
+        store_fp8(q_row, offs, quantize(v, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
     else:
         acc = tl.zeros([BLOCK_H], dtype=tl.int32)
         for t in tl.static_range(NUM_TILES):
@@ -266,7 +282,7 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride,
             cols = t * BLOCK_H + offs
             mask = cols < H
             v = widen(tl.load(x_row + cols, mask=mask, other=0.0))
-            tl.store(q_row + cols, quantize(v, scale, recip, fast, FP8, NATIVE_FP8), mask=mask)
+            store_fp8(q_row, cols, quantize(v, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
     tl.store(s_ptr + row, scale)
 
 
@@ -281,7 +297,8 @@ def _per_group_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride, 
     x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * q_row_stride
     s_row = s_ptr + row * s_row_stride
-    SRC16: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    SRC_BITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
+    SRC16: tl.constexpr = SRC_BITS == 16
     NG: tl.constexpr = BLOCK_H // GROUP
     offs = tl.arange(0, BLOCK_H)
     groups = tl.arange(0, NG)
@@ -291,7 +308,7 @@ def _per_group_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride, 
         v = widen(tl.load(x_row + cols, mask=mask, other=0.0))
         scales = fp8_scale(group_amax(v, mask, GROUP), FP8)
         lane_scales, recip, fast = group_division(scales, SRC16, GROUP)
-        tl.store(q_row + cols, quantize(v, lane_scales, recip, fast, FP8, NATIVE_FP8), mask=mask)
+        store_fp8(q_row, cols, quantize(v, lane_scales, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
         g = t * NG + groups
         tl.store(s_row + g * s_group_stride, scales, mask=g * GROUP < H)
 

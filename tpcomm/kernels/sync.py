@@ -17,7 +17,8 @@ Protocol:
     another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` (the
     call's outputs are then undefined, and the call raises).
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
-    the interpreter. On expiry the
+    the interpreter; a wait decides to give up on a block-wide value (:func:`waited_ns`), so its loop
+    ends the same round in every thread. On expiry the
     waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
     (``state[2]``, device memory) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
@@ -72,6 +73,11 @@ def send_flag(flag_ptr, value):
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
+#: Lanes of :func:`waited_ns`'s clock tile: at least one per thread of a program of up to 32 warps, so
+#: its block-wide max reads every thread's clock (a smaller tile would be replicated over warps, each
+#: reducing its own copy, and warps could disagree).
+CLOCK_LANES = tl.constexpr(1024)
+
 if interpreter_enabled():
     # The interpreter runs kernels as Python and refuses inline PTX: read the host's clock instead.
     # (TRITON_INTERPRET is itself fixed before the first kernel is defined, so this choice is too.)
@@ -82,12 +88,27 @@ if interpreter_enabled():
     def now_ns():
         """Nanoseconds from an arbitrary origin (the host's monotonic clock)."""
         return _host_ns()
+
+    @triton.jit
+    def waited_ns(start):
+        """Nanoseconds since ``start`` (an earlier :func:`now_ns`); one thread runs a program here."""
+        return now_ns() - start
 else:
     @triton.jit
     def now_ns():
-        """Nanoseconds from an arbitrary origin (NVIDIA ``%globaltimer``)."""
+        """Nanoseconds from an arbitrary origin (NVIDIA ``%globaltimer``), read by each thread."""
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                          is_pure=False, pack=1)
+
+    @triton.jit
+    def waited_ns(start):
+        """Nanoseconds since ``start`` (each thread's own earlier :func:`now_ns`), the largest over the
+        program's threads: one block-wide max, so every thread gets the same value (a loop may exit on
+        it without its warps parting)."""
+        lanes = tl.arange(0, CLOCK_LANES)
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        return tl.max(now - start, axis=0)
 
 
 @triton.jit
@@ -103,6 +124,10 @@ def flag_offset(par, phase, pid, pad_programs, WORLD: tl.constexpr):
     return ((par * 2 + phase) * pad_programs + pid) * WORLD
 
 
+#: Rounds of :func:`wait_flag`'s poll between two reads of the block-wide clock.
+CLOCK_EVERY = tl.constexpr(8)
+
+
 @triton.jit
 def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr):
     """Spin until the low 32 bits of ``*flag_ptr`` equal ``epoch`` (acquire, system scope), at most
@@ -112,14 +137,23 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     when ``timeout`` is 0: an earlier wait failed and its error, which names the peer really missing,
     stays), on another signature ``ERR_MISMATCH`` (:func:`record_error`), and returns False.
     The caller runs ``tl.debug_barrier()`` before loading the data this flag publishes.
+
+    The loop exits the same round in every thread: Triton loads a scalar flag in one thread and
+    broadcasts it through shared memory, with a barrier inside the loop, so warps leaving after different
+    rounds would pair later barriers wrongly. The flag is therefore the same in every thread, and the
+    time waited is the block-wide :func:`waited_ns`, read every ``CLOCK_EVERY`` rounds (a block
+    reduction per round would delay the poll that sees the flag).
     """
     want = epoch.to(tl.int64) & 0xFFFFFFFF
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     start = now_ns()
     waited = start - start
+    rounds = 0
     while ((seen & 0xFFFFFFFF) != want) & (waited < timeout):
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        waited = now_ns() - start
+        rounds += 1
+        if rounds % CLOCK_EVERY == 0:
+            waited = waited_ns(start)
     arrived = (seen & 0xFFFFFFFF) == want
     same_call = (seen >> 32) == signature.to(tl.int64)
     if not arrived:

@@ -17,7 +17,7 @@ rows ``[start_o, start_o + len_o)``; the first ``T % W`` shares have one row mor
   3. epilogue: first, while the peers' sums travel, the fused epilogue of this rank's own rows from
      ``s`` in ``out`` (in place); then, once the peers' phase-1 flags have arrived, for every peer's
      share ``o`` load ``s`` of row ``j`` from the second half of slot ``o`` and run the same epilogue
-     as every algorithm (``reduce_norm_row`` with ``PRE_REDUCED``): the residual add and the norm run
+     as every algorithm (``reduce_norm_row`` with ``SUM_LOAD``): the residual add and the norm run
      on every rank, with its own residual, exactly as in one-shot.
 
 Each rank sends ``2 (W - 1) / W * n`` bytes and sums ``n`` bytes (one-shot: ``(W - 1) * n`` and
@@ -45,7 +45,7 @@ When it wins: large messages; the crossover table is in ``tpcomm/dispatch.py``, 
 import triton
 import triton.language as tl
 
-from .epilogue import NO_QUANT, no_quant_args, reduce_norm_row, reduce_tile, round_to
+from .epilogue import NO_QUANT, SUM_LOAD, no_quant_args, reduce_norm_row, reduce_tile, round_to
 from .sync import (exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch,
                    signal_peers, wait_peers)
 
@@ -136,8 +136,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                     reduce_norm_row(x_ptr + row_start, out_ptr + row_start, slot_stride, res_ptr + row_start,
                                     res_out_ptr + row_start, w_ptr, out_ptr + row_start, q_ptr + row_start,
                                     s_ptr + row * s_row_stride, s_group_stride, row_start, numel, H, eps, rank,
-                                    offs, offs, False,
-                                    WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
+                                    offs, offs, False, offs,
+                                    WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                     QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
         timeout = wait_peers(flag_table_ptr, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
                              WORLD)
@@ -154,8 +154,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                         slot_stride, res_ptr + row_start, res_out_ptr + row_start, w_ptr,
                                         out_ptr + row_start, q_ptr + row_start, s_ptr + row * s_row_stride,
                                         s_group_stride, row_start, numel, H, eps, rank,
-                                        offs, offs, False,
-                                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, True,
+                                        offs, offs, False, offs,
+                                        WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
 
     finish_program(state_ptr, epoch, num_programs)
