@@ -83,6 +83,50 @@ def _finish_acq_rel(state_ptr, epoch, num_programs):
         tl.atomic_xchg(state_ptr, epoch + 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def _store_fp8_wide(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
+    tl.store(q_ptr + cols, code, mask=mask)  # before the contiguity hint: 16 bytes a thread, another layout
+
+
+def _patch_store_fp8_wide():
+    from tpcomm.kernels import epilogue
+    epilogue.store_fp8 = _store_fp8_wide
+
+
+def _patch_lamport_reload():
+    from tpcomm.kernels import lamport
+    lamport.SUM_GIVEN = lamport.SUM_REDUCE  # Lamport reads its tiles again after the poll, as before
+
+
+@triton.jit
+def _finish_counted(state_ptr, epoch, num_programs):
+    done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")  # one program counted too, as before
+    if done == num_programs - 1:
+        tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _scale_one(amax, FP8: tl.constexpr):
+    return tl.full([], 1.0, tl.float32)  # not exact: no amax reduction, no division for the scale
+
+
+def _patch_scale_one():
+    from tpcomm.kernels import epilogue
+    epilogue.fp8_scale = _scale_one
+
+
+@triton.jit
+def _fp8_encode_no_clamp(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # satfinite alone (e4m3fn, native only)
+    return tl.where(x != x, 0x7F, code).to(tl.uint8)
+
+
+def _patch_no_clamp():
+    from tpcomm.kernels import quant
+    quant.fp8_encode = _fp8_encode_no_clamp
+
+
 #: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
 VARIANTS = {
     "no_preload": _patch_no_preload,
@@ -92,6 +136,12 @@ VARIANTS = {
     "tl_sum": _patch_tree_sum,  # layout-dependent order (not exact): bounds what the pairwise sum costs
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
+    "store_fp8_wide": _patch_store_fp8_wide,
+    "lamport_reload": _patch_lamport_reload,
+    "finish_counted": lambda: _patch_finish(_finish_counted),
+    "scale_one": _patch_scale_one,
+    "no_clamp": _patch_no_clamp,
+    "ar_rows_4096": lambda: setattr(__import__("tpcomm.dispatch").dispatch, "ONE_ROW_MAX", 4096),
 }
 
 

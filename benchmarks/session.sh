@@ -8,7 +8,8 @@
 #   bash benchmarks/session.sh w4b     # 4 H200s: soak, FP8 and chunking tests again, the bench of every op
 #   bash benchmarks/session.sh check   # a 3,000-step soak, then the graph and cross-algorithm GPU tests
 #   bash benchmarks/session.sh loopback  # ONE GPU (kind nvidia-h200): the loopback tests (every algorithm,
-#                                        # 2 and 3 ranks on one GPU), then decode timings of kernel variants
+#                                        # 2 and 3 ranks on one GPU) and the FP8 quant tests, then decode
+#                                        # timings of kernel variants
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz; the
 # exit status is 1 when a step's summary line records a non-zero rc.
@@ -95,9 +96,13 @@ check)
     done
     wait ;;
 loopback)
-    # One GPU: tests/test_gpu_loopback.py (about 150 s, compiling), then dev_loopback's variants.
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py > $W/loopback_tests.log 2>&1
-    echo "loopback_tests rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/loopback_tests.log | tail -8 >> $W/summary.txt
+    # One GPU: tests/test_gpu_loopback.py (about 150 s, compiling) and the one-GPU FP8 tests side by side,
+    # then dev_loopback's variants.
+    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py; do
+        (timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
+         echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
+    done
+    wait
     timeout ${DECODE_S:-240} python3 benchmarks/dev_loopback.py --variants ${VARIANTS:-base,no_pdl} --replays 20 \
         --out $W > $W/dev_loopback.log 2>&1
     echo "dev_loopback rc=$?" >> $W/summary.txt ;;
