@@ -117,14 +117,23 @@ def _patch_scale_one():
 
 
 @triton.jit
-def _fp8_encode_no_clamp(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # satfinite alone (e4m3fn, native only)
+def _fp8_encode_clamped(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    c = tl.minimum(tl.maximum(x, -448.0), 448.0)  # the explicit clamp before satfinite, as before
+    code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # e4m3fn, native only
     return tl.where(x != x, 0x7F, code).to(tl.uint8)
 
 
-def _patch_no_clamp():
+def _patch_clamp():
     from tpcomm.kernels import quant
-    quant.fp8_encode = _fp8_encode_no_clamp
+    quant.fp8_encode = _fp8_encode_clamped
+
+
+@triton.jit
+def _tree_sum_levels(x):
+    for _ in tl.static_range(14):  # every level summed where it lies, as before the gather
+        if x.shape[0] > 1:
+            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    return tl.sum(x, axis=0)
 
 
 #: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
@@ -140,8 +149,9 @@ VARIANTS = {
     "lamport_reload": _patch_lamport_reload,
     "finish_counted": lambda: _patch_finish(_finish_counted),
     "scale_one": _patch_scale_one,
-    "no_clamp": _patch_no_clamp,
-    "ar_rows_4096": lambda: setattr(__import__("tpcomm.dispatch").dispatch, "ONE_ROW_MAX", 4096),
+    "clamp": _patch_clamp,
+    "tree_levels": lambda: setattr(__import__("tpcomm.kernels.epilogue").kernels.epilogue, "tree_sum",
+                                   _tree_sum_levels),
 }
 
 

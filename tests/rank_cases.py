@@ -98,7 +98,7 @@ def all_reduce_case(ctx, seed, shape, dtype, kind="randn", out_mode="new", layou
     result = {"y": y.clone(), "ref": tpcomm.reduce_in_rank_order(xs), "gaps": gaps,
               "x_untouched": out_mode == "inplace" or out_mode.startswith("overlap")
               or torch.equal(bits(x), bits(x_before)),
-              "plan": comm.plan("all_reduce", x.numel() * x.element_size(), dispatch.all_reduce_width(x.numel()),
+              "plan": comm.plan("all_reduce", x.numel() * x.element_size(), min(x.numel(), dispatch.ALL_REDUCE_ROW),
                                 dtype).algorithm}
     if kind == "int":
         result["exact"] = _exact_int_sum(xs)
@@ -631,7 +631,7 @@ def small_slot_case(ctx, op, shape, dtype, max_bytes):
     x = xs[ctx.rank]
     s_ref = tpcomm.reduce_in_rank_order(xs)
     if op == "all_reduce":
-        hidden = dispatch.all_reduce_width(x.numel())
+        hidden = min(x.numel(), dispatch.ALL_REDUCE_ROW)
         return {"plan": comm.plan(op, x.numel() * x.element_size(), hidden, dtype).algorithm,
                 "y": comm.all_reduce(x), "ref": s_ref}
     res = residual_input(1960, shape, dtype)

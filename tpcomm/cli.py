@@ -256,7 +256,7 @@ def check() -> int:
             for op in ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter"):
                 nbytes = tokens * hidden * 2
                 plan = dispatch.choose(op, world, nbytes, hidden if op not in ("all_reduce", "all_gather") else
-                                       dispatch.all_reduce_width(tokens * hidden), torch.bfloat16,
+                                       min(tokens * hidden, dispatch.ALL_REDUCE_ROW), torch.bfloat16,
                                        forced=cfg.algo, kernels_available=kernels, table=table)
                 line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {plan.reason} "
                                                 f"(world {world}, bf16)")

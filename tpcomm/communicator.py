@@ -576,10 +576,10 @@ class Communicator:
 
     # -- plans and launches -------------------------------------------------------------------------
     def _all_reduce_width(self, n: int, element_size: int) -> int:
-        """Row width of a plain all-reduce (or all-gather) of ``n`` elements:
-        :func:`~tpcomm.dispatch.all_reduce_width`, or less so that one row fits a slot of a small
-        workspace (then the call runs in chunks instead of falling back)."""
-        width = dispatch.all_reduce_width(n)
+        """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``, or less
+        so that one row fits a slot of a small workspace (then the call runs in chunks instead of
+        falling back)."""
+        width = max(1, min(n, dispatch.ALL_REDUCE_ROW))
         if self.workspace is not None:
             width = min(width, max(16, self.workspace.half_slot_elems(element_size) // 16 * 16))
         return width

@@ -269,7 +269,7 @@ def _algorithm(comm, method: str, x: torch.Tensor) -> str:
     from . import dispatch
 
     nbytes = x.numel() * x.element_size()
-    hidden = dispatch.all_reduce_width(x.numel()) if method == "all_reduce" else x.shape[-1]
+    hidden = min(x.numel(), dispatch.ALL_REDUCE_ROW) if method == "all_reduce" else x.shape[-1]
     return comm.plan(method, nbytes, hidden, x.dtype).algorithm
 
 

@@ -42,24 +42,8 @@ MAX_BLOCK_H = 8192
 TWO_SHOT_GRID_FACTOR = 2
 
 #: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many
-#: elements (the result is elementwise, so the width never changes a bit); see :func:`all_reduce_width`.
+#: elements (the result is elementwise, so the width never changes a bit).
 ALL_REDUCE_ROW = 4096
-
-#: A plain all-reduce of at most this many elements runs as one row (one program), see
-#: :func:`all_reduce_width`.
-ONE_ROW_MAX = 8192
-
-
-def all_reduce_width(n: int) -> int:
-    """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``n`` itself up to
-    ``ONE_ROW_MAX`` (one row, one program), else ``ALL_REDUCE_ROW``.
-
-    One program finishes without the counter of ``kernels/sync.finish_program`` (an atomic round trip
-    at the end of every call), which paid for the second program's share of the loads: at 6144 bf16
-    elements (one token of hidden 6144), ... (loopback ranks on one H200, docs/benchmarks.md). The
-    width never changes a bit of the result.
-    """
-    return max(1, n if n <= ONE_ROW_MAX else ALL_REDUCE_ROW)
 
 
 @dataclass(frozen=True)

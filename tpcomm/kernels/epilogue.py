@@ -129,12 +129,26 @@ def residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, res_pre, use_pre,
         return widen(s)
 
 
+#: Lanes of a warp: :func:`tree_sum` gathers its last partial sums into one warp.
+_WARP_LANES: tl.constexpr = tl.constexpr(32)
+
+
 @triton.jit
 def tree_sum(x):
     """Sum of a 1-D tile of a power-of-two size by pairs, ``((x0 + x1) + (x2 + x3)) + ...``: every
     addition has two operands, so the bits do not depend on how the compiler lays the tile out over
-    threads (``tl.sum``'s order does, and it changes between kernel variants, e.g. with FP8 stores)."""
+    threads (``tl.sum``'s order does, and it changes between kernel variants, e.g. with FP8 stores).
+
+    Once 32 partial sums are left, an identity ``tl.gather`` moves them into the lanes of one warp (one
+    exchange through shared memory), so the last levels are warp shuffles: summed where they lay, each
+    level whose pairs sit in different warps would take its own exchange and barriers (7 barriers in
+    all for 8192 lanes over 16 warps against 3, ``benchmarks/compile_sm90.py``'s sm_90 build). Moving
+    values changes no bit."""
     for _ in tl.static_range(14):  # up to 2**14 lanes (MAX_BLOCK_H is 8192)
+        if x.shape[0] > _WARP_LANES:
+            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    x = tl.gather(x, tl.arange(0, x.shape[0]), 0)
+    for _ in tl.static_range(5):
         if x.shape[0] > 1:
             x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
     return tl.sum(x, axis=0)

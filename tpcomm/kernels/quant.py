@@ -25,11 +25,12 @@ Why not a plain ``.to(tl.float8e4nv)``: Triton's interpreter (3.9) converts floa
 range -> the NaN byte), and Triton's NVIDIA backend has no e4m3fnuz at all (3.6 on an H200: a
 ``CompilationError``). So the encoder works on the float32 bits with integer operations, which give the
 same bytes on every backend (:func:`fp8_encode_soft`); with ``NATIVE_FP8`` it uses the hardware
-conversion for e4m3fn instead. Triton 3.6 on an H200 emits ``cvt.rn.satfinite.e4m3x2.f32``: nearest-
-even, +-Inf and out-of-range values to +-448, every NaN to 0x7F; the clamp and the NaN byte are made
-explicit around it anyway. Both give the same byte for all 2^32 float32 inputs (``tests/test_quant.py``,
-GPU), and the native one is faster: a standalone per-token quant of 4096 x 7168 bf16 took 58 us
-native against 94 us soft (eager, median). Bytes are returned as ``uint8``: launchers pass a ``uint8``
+conversion for e4m3fn instead. Triton (3.6 on an H200, 3.9 for sm_90) emits
+``cvt.rn.satfinite.e4m3x2.f32``: nearest-even, +-Inf and out-of-range values to +-448 (PTX's
+``.satfinite``), so no clamp is needed around it; the NaN byte is made explicit (a NaN's sign bit could
+otherwise give 0xFF). Both give the same byte for all 2^32 float32 inputs (``tests/test_quant.py``, GPU),
+and the native one is faster: a standalone per-token quant of 4096 x 7168 bf16 took 58 us native against
+94 us soft (eager, median). Bytes are returned as ``uint8``: launchers pass a ``uint8``
 view of the FP8 output.
 
 Tiling: a row of up to ``BLOCK_H`` elements is one tile; wider rows take ``NUM_TILES`` tiles
@@ -169,11 +170,13 @@ def fp8_encode(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """float32 ``x`` to FP8 bytes (``uint8``): saturating, nearest-even, canonical NaN.
 
     ``NATIVE_FP8`` (e4m3fn only; set it only on NVIDIA GPUs with FP8 conversions, sm_89+) uses the
-    hardware conversion around an explicit clamp; otherwise :func:`fp8_encode_soft`. Same bytes.
+    hardware conversion, which saturates by itself (see the module docstring), and the canonical NaN
+    byte; otherwise :func:`fp8_encode_soft`. Same bytes. An explicit clamp before the conversion cost
+    0.14-0.18 µs of a fused FP8 call of 1-16 x 6144 bf16 and 0.7-0.8 µs at 64 tokens (loopback ranks on
+    one H200, ``benchmarks/dev_loopback.py --variants base,no_clamp``, docs/benchmarks.md).
     """
     if NATIVE_FP8 and FP8 == tl.float8e4nv:
-        c = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         return tl.where(x != x, 0x7F, code).to(tl.uint8)
     else:
         return fp8_encode_soft(x, FP8)

@@ -5,7 +5,7 @@ Sizes are bytes of one rank's message, the unit of :class:`tpcomm.dispatch.Cross
 
 * ``all_reduce``: a flat tensor of ``n`` bytes, ``n`` on a geometric grid from 8 KiB to 64 MiB (each
   power of two and 1.5 times it: about 27 % between neighbours). The shape does not matter: the
-  communicator treats any tensor as flat rows (:func:`tpcomm.dispatch.all_reduce_width`).
+  communicator treats any tensor as flat rows (:data:`tpcomm.dispatch.ALL_REDUCE_ROW`).
 * ``fused_add_rmsnorm``: ``(T, hidden)`` with a residual, ``n = T * hidden * element size``, ``T`` from
   1 to 16384 on the same kind of grid, plus the largest ``T`` whose message fits
   :data:`tpcomm.dispatch.LAMPORT_MAX_BYTES` (so the Lamport cap itself is measured).
