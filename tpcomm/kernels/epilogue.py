@@ -1,6 +1,7 @@
 """The reduction and the residual + RMSNorm epilogue, shared by every algorithm.
 
-Every algorithm calls these same functions with the same ``BLOCK_H`` (chosen from the hidden size alone,
+Every algorithm calls these same functions (Lamport sums its rows of one tile in its poll, with the same
+additions as :func:`reduce_tile`) with the same ``BLOCK_H`` (chosen from the hidden size alone,
 :func:`tpcomm.dispatch.row_config`) and reduces by pairs or by max, whatever the layout the compiler picks
 for the ``num_warps`` of the launch (two-shot runs fewer warps than Lamport and one-shot), so the
 reduction trees, and thus the bits of every output, do not depend on the algorithm, the warps, the grid,
@@ -67,7 +68,8 @@ def round_to(v, DTYPE: tl.constexpr):
 
 @triton.jit
 def reduce_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD: tl.constexpr):
-    """Sum one tile of a row over the ranks in rank order, in float32 from +0.0.
+    """Sum one tile of a row over the ranks in rank order, in float32 from +0.0 (``lamport._poll_tile``
+    makes the same additions from the tiles it polled: keep the two in step).
 
     ``x_row_ptr`` is this rank's own input row (read in place); ``recv_row_ptr + q * slot_stride`` is the
     row that rank ``q`` pushed into this rank's receive buffer. Returns the float32 accumulator.

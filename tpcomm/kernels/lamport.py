@@ -60,15 +60,15 @@ def _poll_code(p, mask, tag_ptr, signature, waited, timeout):
 
 @triton.jit
 def _poll_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
-               timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
+               timeout, err_ptr, state_ptr, WORLD: tl.constexpr, SUM: tl.constexpr):
     """Spin until, for every peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) has arrived
     and no element of this tile in ``q``'s slot holds the sentinel (bounded). A tag with another
     signature ends the wait at once and records ``ERR_MISMATCH``; an expired wait records
-    ``ERR_TIMEOUT``. Returns ``(acc, timeout)``: the tile summed over the ranks in rank order in float32
-    from +0.0 (this rank's own row read from ``x_row_ptr``, every peer's as the last round of its poll
-    loaded it: the same additions as ``epilogue.reduce_tile``, without reading the buffer again; -0.0
-    pushed as +0.0 adds the same), and the timeout left for later waits: ``timeout``, or 0 once a wait
-    failed (``acc`` is then undefined). Reading the tiles again after the wait cost 0.3-0.5 µs a call:
+    ``ERR_TIMEOUT``. Returns ``(acc, timeout)``: with ``SUM``, the tile summed over the ranks in rank
+    order in float32 from +0.0 (this rank's own row read from ``x_row_ptr``, every peer's as the last
+    round of its poll loaded it: the same additions as ``epilogue.reduce_tile``, without reading the
+    buffer again; -0.0 pushed as +0.0 adds the same; keep the two in step), else zeros; and the timeout
+    left for later waits: ``timeout``, or 0 once a wait failed (``acc`` is then undefined). Reading the tiles again after the wait cost 0.3-0.5 µs a call:
     fused 1 / 16 x 6144 bf16 4.96 / 5.82 µs against 5.46 / 6.21, all-reduce 3.13 against 3.45 (loopback
     ranks on one H200, ``benchmarks/dev_loopback.py --variants base,lamport_reload``,
     docs/benchmarks.md).
@@ -87,11 +87,13 @@ def _poll_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, 
     inside the loop are reached by every warp the same number of times. A timeout of 0 (an earlier wait
     failed) leaves at once, and the call then counts as failed whatever arrived (the error recorded
     first stays)."""
-    own = widen(tl.load(x_row_ptr + cols, mask=mask, other=0.0))  # issued before the wait
     acc = tl.zeros(cols.shape, dtype=tl.float32)
+    if SUM:
+        own = widen(tl.load(x_row_ptr + cols, mask=mask, other=0.0))  # issued before the wait
     for q in tl.static_range(WORLD):
         if q == rank:
-            acc += own
+            if SUM:
+                acc += own
         else:
             p = recv_row_ptr + q * slot_stride + cols
             start = now_ns()
@@ -105,7 +107,8 @@ def _poll_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, 
             if code >= 8:
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
             timeout = tl.where((code != 0) | (timeout == 0), 0, timeout)
-            acc += widen(tile)
+            if SUM:
+                acc += widen(tile)
     return acc, timeout
 
 
@@ -161,14 +164,15 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         if NUM_TILES == 1:  # the sum as the poll loaded the tiles (rows of several tiles read them again)
             mask = (offs < H) & (row_start + offs < numel)
             acc, timeout = _poll_tile(x_ptr + row_start, recv + row * row_stride, slot_stride, offs, mask, tags,
-                                      rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD)
+                                      rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD, True)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
         else:
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = (cols < H) & (row_start + cols < numel)
                 _, timeout = _poll_tile(x_ptr + row_start, recv + row * row_stride, slot_stride, cols, mask,
-                                        tags, rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD)
+                                        tags, rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD,
+                                        False)
             s_pre = offs
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,

@@ -172,8 +172,8 @@ def fp8_encode(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     ``NATIVE_FP8`` (e4m3fn only; set it only on NVIDIA GPUs with FP8 conversions, sm_89+) uses the
     hardware conversion, which saturates by itself (see the module docstring), and the canonical NaN
     byte; otherwise :func:`fp8_encode_soft`. Same bytes. An explicit clamp before the conversion cost
-    0.14-0.18 µs of a fused FP8 call of 1-16 x 6144 bf16 and 0.7-0.8 µs at 64 tokens (loopback ranks on
-    one H200, ``benchmarks/dev_loopback.py --variants base,no_clamp``, docs/benchmarks.md).
+    0.12-0.18 µs of a fused FP8 call of 1-16 x 6144 bf16 and 0.46-0.51 µs at 64 tokens (loopback ranks
+    on one H200, ``benchmarks/dev_loopback.py --variants base,clamp``, docs/benchmarks.md).
     """
     if NATIVE_FP8 and FP8 == tl.float8e4nv:
         code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)

@@ -17,8 +17,9 @@ Protocol:
     another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` (the
     call's outputs are then undefined, and the call raises).
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
-    the interpreter; a wait decides to give up on a block-wide value (:func:`waited_ns`), so its loop
-    ends the same round in every thread. On expiry the
+    the interpreter; a wait decides to give up on a block-wide value (:func:`waited_ns` here; Lamport's
+    poll on a block-wide max of its per-lane code), so its loop ends the same round in every thread. On
+    expiry the
     waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
     (``state[2]``, device memory) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
