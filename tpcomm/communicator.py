@@ -218,7 +218,10 @@ class Communicator:
         elif len(set(hosts)) > 1:
             reason = "the group spans several hosts"
         elif self.device.type == "cpu" and not all(interpreted):  # every rank decides alike
-            reason = "CPU ranks need TRITON_INTERPRET=1 set before tpcomm is imported (on every rank)"
+            without = [r for r, i in enumerate(interpreted) if not i]
+            reason = (f"CPU ranks need Triton's interpreter, and group rank(s) {without} run without it: set "
+                      "TRITON_INTERPRET=1 before Python starts on every rank (importing tpcomm sets it only on "
+                      "a machine without CUDA, and only where it is unset)")
         elif self.device.type == "cpu" and any(p for p in problems):
             reason = next(p for p in problems if p)
         if reason is not None:
