@@ -2,8 +2,9 @@
 Triton wheel's own ptxas: catches front-end errors (types that differ between the branches of an `if`,
 bad constexprs) that Triton's CPU interpreter does not check. Each line gives a variant's cubin size,
 warps, barriers (``bar.sync`` in its PTX) and layout conversions (``ttg.convert_layout``, some of them
-through shared memory), with the alignment real launches specialise (``DIVISIBLE_16``). With ``--regs`` also prints each variant's
-registers per thread and spill bytes (``ptxas -v``), which bound how many programs an SM holds at once.
+through shared memory), built with the alignment real launches specialise (``DIVISIBLE_16``). With
+``--regs`` also prints each variant's registers per thread and spill bytes (``ptxas -v``), which bound
+how many programs an SM holds at once.
 Run with TRITON_INTERPRET=0:
 
     TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/compile_sm90.py [--quick] [--regs]

@@ -32,8 +32,8 @@ When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.p
 import triton
 import triton.language as tl
 
-from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row,
-                       round_to)
+from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_quant_args, preload_row,
+                       reduce_norm_row, round_to)
 from .quant import widen
 from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
                    record_timeout)
@@ -68,10 +68,10 @@ def _poll_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, 
     order in float32 from +0.0 (this rank's own row read from ``x_row_ptr``, every peer's as the last
     round of its poll loaded it: the same additions as ``epilogue.reduce_tile``, without reading the
     buffer again; -0.0 pushed as +0.0 adds the same; keep the two in step), else zeros; and the timeout
-    left for later waits: ``timeout``, or 0 once a wait failed (``acc`` is then undefined). Reading the tiles again after the wait cost 0.3-0.5 µs a call:
-    fused 1 / 16 x 6144 bf16 4.96 / 5.82 µs against 5.46 / 6.21, all-reduce 3.13 against 3.45 (loopback
-    ranks on one H200, ``benchmarks/dev_loopback.py --variants base,lamport_reload``,
-    docs/benchmarks.md).
+    left for later waits: ``timeout``, or 0 once a wait failed (``acc`` is then undefined). Reading the
+    tiles again after the wait cost 0.3-0.5 µs a call: fused 1 / 16 x 6144 bf16 4.96 / 5.82 µs against
+    5.46 / 6.21, all-reduce 3.13 against 3.45 (loopback ranks on one H200, ``benchmarks/dev_loopback.py
+    --variants base,lamport_reload``, docs/benchmarks.md).
 
     The tag is polled in the same loop as the data, not in a wait of its own before it: that wait cost
     0.18-1.01 µs a call at 1-64 x 6144 bf16 against no tag at all, and polling it in the loop instead came

@@ -19,8 +19,7 @@ Protocol:
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
     the interpreter; a wait decides to give up on a block-wide value (:func:`waited_ns` here; Lamport's
     poll on a block-wide max of its per-lane code), so its loop ends the same round in every thread. On
-    expiry the
-    waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
+    expiry the waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
     (``state[2]``, device memory) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
     later launch, gives up at once, so a call of many rows or chunks reports after one timeout.
@@ -28,9 +27,9 @@ Protocol:
     counter when it ends; the program that brings the counter to the grid size resets it and advances
     the epoch (a launch of one program stores the next epoch directly). That program runs after every
     other program has read the epoch, and the next launch on the stream sees the new value, so a launch
-    of any grid size advances the epoch exactly once. With
-    programmatic dependent launch the next launch's programs may start early, but they read the epoch
-    only after ``griddepcontrol.wait`` (:func:`read_epoch`), which returns once this launch has finished.
+    of any grid size advances the epoch exactly once. With programmatic dependent launch the next
+    launch's programs may start early, but they read the epoch only after ``griddepcontrol.wait``
+    (:func:`read_epoch`), which returns once this launch has finished.
 """
 
 import time
