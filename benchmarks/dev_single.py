@@ -146,6 +146,7 @@ VARIANTS = {
     "tl_sum": _patch_tree_sum,  # layout-dependent order (not exact): bounds what the pairwise sum costs
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
+    "warps32": lambda: _patch_warps(32),  # 8192-wide tiles: 64 registers a thread at most, no spill (sm_90 build)
     "store_fp8_wide": _patch_store_fp8_wide,
     "lamport_reload": _patch_lamport_reload,
     "finish_counted": lambda: _patch_finish(_finish_counted),
