@@ -147,6 +147,8 @@ VARIANTS = {
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
     "warps32": lambda: _patch_warps(32),  # 8192-wide tiles: 64 registers a thread at most, no spill (sm_90 build)
+    "ar_rows_2048": lambda: setattr(__import__("tpcomm.dispatch").dispatch, "ALL_REDUCE_ROW", 2048),
+    "ar_rows_1024": lambda: setattr(__import__("tpcomm.dispatch").dispatch, "ALL_REDUCE_ROW", 1024),
     "store_fp8_wide": _patch_store_fp8_wide,
     "lamport_reload": _patch_lamport_reload,
     "finish_counted": lambda: _patch_finish(_finish_counted),
