@@ -14,6 +14,7 @@ the dispatch so the kernels run with ``WORLD = 1``.
 not exact on purpose: they bound what a change could save).
 """
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dev_fused import graph_time  # noqa: E402
+from tpcomm.kernels.epilogue import SUM_REDUCE  # noqa: E402
 from tpcomm.kernels.quant import fp8_encode  # noqa: E402
 
 
@@ -44,16 +46,15 @@ def _tree_sum_tl(x):
     return tl.sum(x, axis=0)
 
 
+def _patch(module: str, name: str, value):
+    """Set ``name`` of the module ``module`` (``tpcomm.<module>``) to ``value``, before anything compiles."""
+    setattr(importlib.import_module(f"tpcomm.{module}"), name, value)
+
+
 def _patch_finish(fn):
     from tpcomm.kernels import gather, lamport, one_shot, two_shot
     for m in (gather, lamport, one_shot, two_shot):
         m.finish_program = fn
-
-
-def _patch_tree_sum():
-    from tpcomm.kernels import epilogue
-    epilogue.tree_sum = _tree_sum_tl
-
 
 def _patch_warps(n):
     from tpcomm import dispatch
@@ -63,12 +64,6 @@ def _patch_warps(n):
         cfg = row_config(hidden, max_programs, two_shot)
         return dispatch.RowConfig(cfg.block_h, cfg.num_tiles, n, cfg.max_programs)
     dispatch.row_config = with_warps
-
-
-def _patch_quantize(fn):
-    from tpcomm.kernels import epilogue
-    epilogue.quantize = fn
-
 
 def _patch_no_preload():
     from tpcomm.kernels import lamport, one_shot
@@ -86,18 +81,6 @@ def _finish_acq_rel(state_ptr, epoch, num_programs):
 @triton.jit
 def _store_fp8_wide(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
     tl.store(q_ptr + cols, code, mask=mask)  # before the contiguity hint: 16 bytes a thread, another layout
-
-
-def _patch_store_fp8_wide():
-    from tpcomm.kernels import epilogue
-    epilogue.store_fp8 = _store_fp8_wide
-
-
-def _patch_lamport_reload():
-    from tpcomm.kernels import lamport
-    lamport.SUM_GIVEN = lamport.SUM_REDUCE  # Lamport reads its tiles again after the poll, as before
-
-
 @triton.jit
 def _finish_counted(state_ptr, epoch, num_programs):
     done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")  # one program counted too, as before
@@ -111,23 +94,11 @@ def _scale_one(amax, FP8: tl.constexpr):
     # not exact: scale 1 (the amax, left unused, is compiled out), no division for the scale
     return tl.full(amax.shape, 1.0, tl.float32)
 
-
-def _patch_scale_one():
-    from tpcomm.kernels import epilogue
-    epilogue.fp8_scale = _scale_one
-
-
 @triton.jit
 def _fp8_encode_clamped(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     c = tl.minimum(tl.maximum(x, -448.0), 448.0)  # the explicit clamp before satfinite, as before
     code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # e4m3fn, native only
     return tl.where(x != x, 0x7F, code).to(tl.uint8)
-
-
-def _patch_clamp():
-    from tpcomm.kernels import quant
-    quant.fp8_encode = _fp8_encode_clamped
-
 
 @triton.jit
 def _tree_sum_levels(x):
@@ -141,21 +112,22 @@ def _tree_sum_levels(x):
 VARIANTS = {
     "no_preload": _patch_no_preload,
     "acq_rel_finish": lambda: _patch_finish(_finish_acq_rel),
-    "rcp": lambda: _patch_quantize(_q_rcp),
+    "rcp": lambda: _patch("kernels.epilogue", "quantize", _q_rcp),
     "no_finish": lambda: _patch_finish(_finish_none),  # one rank only: peers would see stale epochs
-    "tl_sum": _patch_tree_sum,  # layout-dependent order (not exact): bounds what the pairwise sum costs
+    # layout-dependent order (not exact): bounds what the pairwise sum costs
+    "tl_sum": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_tl),
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
     "warps32": lambda: _patch_warps(32),  # 8192-wide tiles: 64 registers a thread at most, no spill (sm_90 build)
-    "ar_rows_2048": lambda: setattr(__import__("tpcomm.dispatch").dispatch, "ALL_REDUCE_ROW", 2048),
-    "ar_rows_1024": lambda: setattr(__import__("tpcomm.dispatch").dispatch, "ALL_REDUCE_ROW", 1024),
-    "store_fp8_wide": _patch_store_fp8_wide,
-    "lamport_reload": _patch_lamport_reload,
+    "ar_rows_2048": lambda: _patch("dispatch", "ALL_REDUCE_ROW", 2048),
+    "ar_rows_1024": lambda: _patch("dispatch", "ALL_REDUCE_ROW", 1024),
+    "store_fp8_wide": lambda: _patch("kernels.epilogue", "store_fp8", _store_fp8_wide),
+    # Lamport reads its tiles again after the poll, as before
+    "lamport_reload": lambda: _patch("kernels.lamport", "SUM_GIVEN", SUM_REDUCE),
     "finish_counted": lambda: _patch_finish(_finish_counted),
-    "scale_one": _patch_scale_one,
-    "clamp": _patch_clamp,
-    "tree_levels": lambda: setattr(__import__("tpcomm.kernels.epilogue").kernels.epilogue, "tree_sum",
-                                   _tree_sum_levels),
+    "scale_one": lambda: _patch("kernels.epilogue", "fp8_scale", _scale_one),
+    "clamp": lambda: _patch("kernels.quant", "fp8_encode", _fp8_encode_clamped),
+    "tree_levels": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_levels),
 }
 
 

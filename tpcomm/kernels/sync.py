@@ -78,6 +78,8 @@ def send_flag(flag_ptr, value):
 #: its block-wide max reads every thread's clock (a smaller tile would be replicated over warps, each
 #: reducing its own copy, and warps could disagree).
 CLOCK_LANES = tl.constexpr(1024)
+#: Reads NVIDIA's nanosecond clock into a 64-bit register.
+_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
 
 if interpreter_enabled():
     # The interpreter runs kernels as Python and refuses inline PTX: read the host's clock instead.
@@ -98,7 +100,7 @@ else:
     @triton.jit
     def now_ns():
         """Nanoseconds from an arbitrary origin (NVIDIA ``%globaltimer``), read by each thread."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+        return tl.inline_asm_elementwise(_GLOBALTIMER, "=l", [], dtype=tl.int64,
                                          is_pure=False, pack=1)
 
     @triton.jit
@@ -107,7 +109,7 @@ else:
         program's threads: one block-wide max, so every thread gets the same value (a loop may exit on
         it without its warps parting)."""
         lanes = tl.arange(0, CLOCK_LANES)
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes], dtype=tl.int64,
+        now = tl.inline_asm_elementwise(_GLOBALTIMER, "=l,r", [lanes], dtype=tl.int64,
                                         is_pure=False, pack=1)
         return tl.max(now - start, axis=0)
 
