@@ -28,7 +28,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 from dev_fused import graph_time  # noqa: E402
 from tpcomm.kernels.epilogue import SUM_REDUCE  # noqa: E402
-from tpcomm.kernels.quant import fp8_encode  # noqa: E402
+from tpcomm.kernels.quant import fp8_encode, row_amax  # noqa: E402
 
 
 @triton.jit
@@ -101,6 +101,23 @@ def _fp8_encode_clamped(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     return tl.where(x != x, 0x7F, code).to(tl.uint8)
 
 @triton.jit
+def _quantize_selects(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    # as before: the sign of a zero quotient kept by a select, every byte through fp8_encode's NaN select
+    if fast:
+        q0 = v * recip
+        q = tl.fma(tl.fma(-q0, scale, v), recip, q0)
+        q = tl.where(q0 == 0.0, q0, q)
+    else:
+        q = tl.math.div_rn(v, scale)
+    return fp8_encode(q, FP8, NATIVE_FP8)
+
+
+@triton.jit
+def _amax_from_out(p_max, inv, o, mask, DTYPE: tl.constexpr):
+    return row_amax(o, mask)  # as before: reduced over out after the norm (p_max, unused, is compiled out)
+
+
+@triton.jit
 def _tree_sum_levels(x):
     for _ in tl.static_range(14):  # every level summed where it lies, as before the gather
         if x.shape[0] > 1:
@@ -128,6 +145,8 @@ VARIANTS = {
     "scale_one": lambda: _patch("kernels.epilogue", "fp8_scale", _scale_one),
     "clamp": lambda: _patch("kernels.quant", "fp8_encode", _fp8_encode_clamped),
     "tree_levels": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_levels),
+    "fp8_selects": lambda: _patch("kernels.epilogue", "quantize", _quantize_selects),
+    "amax_from_out": lambda: _patch("kernels.epilogue", "tile_out_amax", _amax_from_out),
 }
 
 

@@ -45,6 +45,11 @@ class Fp8Case:
         special: overwrite rows 0..3 with zeros, a dominant element, a NaN and huge values (T >= 4).
         peak: every row of rank 0's ``x`` gets 1000 at column H - 3, so a row's amax lies in its last
             tile (rows wider than one tile) and its last group.
+        eps: the norm's.
+        tiny: (bf16 or fp32, T >= 2, with ``eps`` 0) rows 0 and 1 of every rank's ``x`` are 1e-30, row 0
+            at odd columns only (0 elsewhere), and their residual 0: their squares underflow, so the
+            norm's inverse is +Inf and ``out`` is NaN at the zeros and +-Inf elsewhere, where the
+            largest ``|v * w'|`` no longer gives the row's amax (``epilogue.out_amax``).
     """
 
     seed: int
@@ -62,6 +67,8 @@ class Fp8Case:
     max_bytes: int | None = None
     special: bool = False
     peak: bool = False
+    eps: float = 1e-6
+    tiny: bool = False
 
     def kwargs(self) -> dict:
         """The quant keyword arguments of ``fused_add_rmsnorm``."""
@@ -114,7 +121,7 @@ def scale_rule_failures(q2: torch.Tensor, s2: torch.Tensor, out2: torch.Tensor, 
     o = out2.float().reshape(T, G, H // G)
     qg = q2.reshape(T, G, H // G).to(torch.int32)
     has_nan = o.isnan().any(-1)
-    amax = o.abs().nan_to_num(0.0).amax(-1)
+    amax = o.abs().masked_fill(o.isnan(), 0.0).amax(-1)  # +Inf stays +Inf (not nan_to_num's largest float)
     sbits = s2.contiguous().view(torch.int32)
     failures = []
     zero = ~has_nan & (amax == 0)
@@ -199,20 +206,26 @@ def fp8_case(ctx, case: Fp8Case) -> dict:
                        ctx.world_size - 1)
     if case.peak:
         xs[0][..., H - 3] = 1000.0
+    if case.tiny:
+        for x in xs:
+            x.view(-1, H)[:2] = 1e-30
+            x.view(-1, H)[0, 0::2] = 0.0
+        if res is not None:
+            res.view(-1, H)[:2] = 0.0
     x = xs[ctx.rank]
     with comm.use_algorithm(case.algo):
         before = comm.workspace.epoch() if comm.workspace is not None else 0
-        q, scales, ro, out = comm.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma, **case.kwargs())
+        q, scales, ro, out = comm.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma, **case.kwargs())
         launches = (comm.workspace.epoch() if comm.workspace is not None else 0) - before
-        plain_out, plain_ro = comm.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma)
+        plain_out, plain_ro = comm.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma)
         plan = comm.plan("fused_add_rmsnorm", x.numel() * x.element_size(), H, dtype).algorithm
     args = (case.quant, case.fp8, case.group, case.column_major)
     own = out if out is not None else plain_out
     std_q, std_s = standalone_quant(own.reshape(-1, H), *args)
     ref_q, ref_s = reference_quant(plain_out.reshape(-1, H), *args)
     s_ref = tpcomm.reduce_in_rank_order(xs)
-    _, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, 1e-6, case.gemma)
-    y32 = norm_f32(ro_ref if res is not None else s_ref, w, 1e-6, case.gemma)
+    _, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, case.eps, case.gemma)
+    y32 = norm_f32(ro_ref if res is not None else s_ref, w, case.eps, case.gemma)
     result = {"q": q.view(torch.uint8), "q_dtype": q.dtype, "scales": scales, "ro": ro, "out": out,
               "plain_out": plain_out, "plain_ro": plain_ro, "std_q": std_q.view(torch.uint8), "std_s": std_s,
               "ref_q": ref_q.view(torch.uint8), "ref_s": ref_s, "ro_ref": ro_ref, "y32": y32,
@@ -220,7 +233,7 @@ def fp8_case(ctx, case: Fp8Case) -> dict:
     if case.max_bytes is not None:
         whole = ctx.comm()
         with whole.use_algorithm(case.algo):
-            wq, ws, wro, wout = whole.fused_add_rmsnorm(x, res, w, eps=1e-6, gemma=case.gemma,
+            wq, ws, wro, wout = whole.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma,
                                                         **case.kwargs())
         result.update(whole_q=wq.view(torch.uint8), whole_s=ws, whole_ro=wro, whole_out=wout)
     return result

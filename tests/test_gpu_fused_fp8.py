@@ -27,7 +27,7 @@ from tpcomm.launch import launch
 pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
 
 #: Hidden sizes of real models (2880: gpt-oss; 4096 .. 8192: Llama / Qwen / DeepSeek class; 16384: two
-#: tiles of dispatch.MAX_BLOCK_H, so per-token scales need the third pass).
+#: tiles of dispatch.MAX_BLOCK_H, so per-token scales come from the first pass's largest |v * w'|).
 HIDDEN = [2880, 4096, 6144, 7168, 8192, 16384]
 #: Tokens from decode (1, 7) to prefill (1000, 4096).
 TOKENS = [1, 7, 64, 1000, 4096]

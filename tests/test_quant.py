@@ -344,14 +344,17 @@ def test_reference_rejects_bad_groups():
 # The fast division (``kq.divide``): the same quotient as ``div_rn`` for every 16-bit value and scale.
 
 @triton.jit
-def _division_kernel(v_ptr, n_v, amax_ptr, counts_ptr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+def _division_kernel(v_ptr, n_v, amax_ptr, counts_ptr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """One program per amax, over every ``v`` with ``|v| <= amax``: counts FP8 bytes of :func:`kq.divide`'s quotient that
-    differ from those of ``div_rn``'s, quotients of at least 2^-12 whose bits differ, and whether the
-    scale took the fast path."""
+    differ from those of ``div_rn``'s, bytes of :func:`kq.quantize` (the epilogues' encoder, native
+    where ``NATIVE_FP8``) that differ from them too, quotients of at least 2^-12 whose bits differ, and
+    whether the scale took the fast path."""
     amax = tl.load(amax_ptr + tl.program_id(0))
     scale = kq.fp8_scale(amax, FP8)
     recip, fast = kq.token_division(scale, True)
     bad_bytes = tl.zeros([BLOCK], dtype=tl.int32)
+    bad_quant = tl.zeros([BLOCK], dtype=tl.int32)
     bad_bits = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(0, n_v, BLOCK):
         offs = i + tl.arange(0, BLOCK)
@@ -359,10 +362,12 @@ def _division_kernel(v_ptr, n_v, amax_ptr, counts_ptr, FP8: tl.constexpr, BLOCK:
         m = (offs < n_v) & (tl.abs(v) <= amax)  # the values a row (group) of this amax holds
         got = kq.divide(v, scale, recip, fast)
         want = tl.math.div_rn(v, scale)
-        bad_bytes += (m & (kq.fp8_encode_soft(got, FP8) != kq.fp8_encode_soft(want, FP8))).to(tl.int32)
+        want_bytes = kq.fp8_encode_soft(want, FP8)
+        bad_bytes += (m & (kq.fp8_encode_soft(got, FP8) != want_bytes)).to(tl.int32)
+        bad_quant += (m & (kq.quantize(v, scale, recip, fast, FP8, NATIVE_FP8) != want_bytes)).to(tl.int32)
         differ = got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)
         bad_bits += (m & differ & (tl.abs(want) >= 2.0 ** -12)).to(tl.int32)
-    tl.atomic_add(counts_ptr, tl.sum(bad_bytes, axis=0))
+    tl.atomic_add(counts_ptr, tl.sum(bad_bytes, axis=0) + tl.sum(bad_quant, axis=0))
     tl.atomic_add(counts_ptr + 1, tl.sum(bad_bits, axis=0))
     tl.atomic_add(counts_ptr + 2, fast.to(tl.int32))
 
@@ -375,13 +380,14 @@ def _sixteen_bit_values(dtype) -> torch.Tensor:
 
 def division_mismatches(dtype, fp8_dtype, amax_stride: int = 1, device: str = _DEV) -> tuple[int, int, int]:
     """``(differing FP8 bytes, differing quotients >= 2^-12, scales that took the fast path)`` of
-    :func:`kq.divide` against ``div_rn`` over every ``amax_stride``-th positive finite amax of
-    ``dtype`` (each gives one scale) and every finite ``v`` of ``dtype`` with ``|v| <= amax``."""
+    :func:`kq.divide` and :func:`kq.quantize` (with the device's native conversion where it has one)
+    against ``div_rn`` over every ``amax_stride``-th positive finite amax of ``dtype`` (each gives one
+    scale) and every finite ``v`` of ``dtype`` with ``|v| <= amax``."""
     v = _sixteen_bit_values(dtype)
     amax = v[v > 0].unique()[::amax_stride].contiguous()
     counts = torch.zeros(3, dtype=torch.int32, device=device)
     _division_kernel[(amax.numel(),)](v.to(device), v.numel(), amax.to(device), counts, FP8=_TL[fp8_dtype],
-                                      BLOCK=4096)
+                                      NATIVE_FP8=native_fp8(torch.device(device), fp8_dtype), BLOCK=4096)
     return tuple(int(c) for c in counts.cpu())
 
 

@@ -408,7 +408,7 @@ class Communicator:
                 qout.fill_from(out)
             return result()
         cfg = dispatch.row_config(H, self.workspace.max_programs)
-        launch_quant = qout.launch_args(self.device, emit_unquantized or cfg.num_tiles > 1) if qout else None
+        launch_quant = qout.launch_args(self.device, emit_unquantized) if qout else None
         # contiguous, any number of dimensions: the kernels take flat pointers (_run_rows flattens a
         # tensor only to cut it into launches)
         self._run_rows(op, plan, x.contiguous(), out, residual.contiguous() if residual is not None else None,

@@ -10,7 +10,9 @@ the rank or the number of rows.
 Numerics (docs/numerics.md):
   s = T(sum_r f32(x_r)) in rank order starting from +0.0;
   residual_out = T(f32(s) + f32(residual));
-  out = T(f32(residual_out) * 1/sqrt(mean(f32(residual_out)^2) + eps) * w'), w' = f32(w) or 1 + f32(w).
+  out = T((f32(residual_out) * w') * 1/sqrt(mean(f32(residual_out)^2) + eps)), w' = f32(w) or 1 + f32(w),
+the weight multiplied first: then the largest ``|out|`` of a row comes from its largest ``|v * w'|``,
+which per-token FP8 reduces beside the sum of squares instead of after the norm (:func:`out_amax`).
 The square root and the division are the correctly rounded ones (``sqrt_rn``, ``div_rn``), so float32
 outputs differ from a float32 reference only through the order of the mean's sum. That sum is taken by
 pairs (:func:`tree_sum`), never with ``tl.sum`` over a tile, whose order follows the layout the compiler
@@ -25,8 +27,8 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
-from .quant import (abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, quantize, row_amax,
-                    store_fp8, token_division, widen)
+from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, quantize,
+                    row_amax, store_fp8, token_division, widen)
 
 #: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
 QUANT_NONE = tl.constexpr(0)
@@ -166,21 +168,53 @@ def rms_inverse(sum_sq, H, eps):
 
 
 @triton.jit
-def norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, w_pre, GEMMA: tl.constexpr, STORE_OUT: tl.constexpr,
-              PRELOAD: tl.constexpr):
-    """``out = T(v * inv * w')`` for one tile (stored when ``STORE_OUT``); ``v`` is float32
-    ``residual_out`` (or ``s``); the weight is ``w_pre`` with ``PRELOAD``, else loaded. Returns ``out``
-    widened back to float32 (what FP8 quantises)."""
+def weight_tile(w_ptr, cols, mask, w_pre, GEMMA: tl.constexpr, PRELOAD: tl.constexpr):
+    """The norm's ``w'`` for one tile, float32: ``f32(w)``, or ``1 + f32(w)`` with ``GEMMA``; the weight
+    is ``w_pre`` with ``PRELOAD``, else loaded (0 in masked lanes)."""
     if PRELOAD:
         w = widen(w_pre)
     else:
         w = widen(tl.load(w_ptr + cols, mask=mask, other=0.0))
     if GEMMA:
         w = 1.0 + w
-    o = round_to(v * inv * w, out_row_ptr.dtype.element_ty)
+    return w
+
+
+@triton.jit
+def norm_tile(p, inv, out_row_ptr, cols, mask, STORE_OUT: tl.constexpr):
+    """``out = T(p * inv)`` for one tile, ``p = v * w'`` (float32, :func:`weight_tile`), stored when
+    ``STORE_OUT``. Returns ``out`` widened back to float32 (what FP8 quantises)."""
+    o = round_to(p * inv, out_row_ptr.dtype.element_ty)
     if STORE_OUT:
         tl.store(out_row_ptr + cols, o, mask=mask)
     return widen(o)
+
+
+@triton.jit
+def out_amax(p_max, inv, DTYPE: tl.constexpr):
+    """``max |out|`` of a row from ``p_max = max |v * w'|`` over it (float32, NaN if any is), without a
+    reduction over ``out``: ``T(p_max * inv)``, for ``inv`` not +Inf (the caller checks).
+
+    Why it is exact: ``out = T(p * inv)`` with ``inv >= 0`` (or NaN), and ``p -> T(p * inv)`` is odd and,
+    for ``p >= 0``, non-decreasing in the order that :func:`quant.abs_bits` gives (rounding to float32,
+    then to ``DTYPE``, never reverses an order; Inf * 0 and NaN give NaN, above every number in that
+    order), so the largest ``|out|`` is the image of the largest ``|p|``. With ``inv`` +Inf (``eps`` 0
+    and every square 0) a zero ``p`` gives NaN and a non-zero one Inf, which is not monotone. This is why
+    ``out`` is ``T((v * w') * inv)`` and not ``T((v * inv) * w')``: the largest ``|out|`` of the latter
+    could come from another element than the largest ``|v * w'|``."""
+    return widen(round_to(p_max * inv, DTYPE))
+
+
+@triton.jit
+def tile_out_amax(p_max, inv, o, mask, DTYPE: tl.constexpr):
+    """``max |out|`` of a row of one tile: :func:`out_amax` of ``p_max``, or, where ``inv`` is +Inf (the
+    same in every thread), a reduction over the tile ``o`` of ``out`` itself (float32, masked lanes
+    ignored). Against that reduction every time, 1-token fused FP8 calls took ... """
+    if inv > _F32_MAX:
+        amax = row_amax(o, mask)
+    else:
+        amax = out_amax(p_max, inv, DTYPE)
+    return amax
 
 
 @triton.jit
@@ -195,6 +229,17 @@ def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, 
     store_fp8(q_row_ptr, cols, quantize(o, lane_scales, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
     g = tile * NG + tl.arange(0, NG)
     tl.store(s_row_ptr + g * s_group_stride, sc, mask=g * GROUP < H)
+
+
+@triton.jit
+def _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """A tile of the row that a multi-tile epilogue's first pass stored, widened: ``residual_out``, or
+    ``s`` (in ``out``) without a residual."""
+    if HAS_RESIDUAL:
+        v = tl.load(res_out_row_ptr + cols, mask=mask, other=0.0)
+    else:
+        v = tl.load(out_row_ptr + cols, mask=mask, other=0.0)
+    return widen(v)
 
 
 @triton.jit
@@ -216,13 +261,14 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     first element in the flat tensor; elements at or beyond ``numel`` are masked (plain all-reduce of a
     tensor that is not a whole number of rows).
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
-    ``residual_out`` (or ``s`` into ``out``) and accumulates squares, the second re-reads and normalises
-    (and quantises per group); per-token FP8 needs the row's amax before any byte, so a third pass
-    re-reads ``out`` (``STORE_OUT`` must then be set) and quantises.
+    ``residual_out`` (or ``s`` into ``out``, whatever ``STORE_OUT``) and accumulates squares (and, for
+    per-token FP8, the largest ``|v * w'|``, which gives the row's amax through :func:`out_amax` before
+    any of ``out`` is computed), the second re-reads, normalises and quantises.
     ``PRELOAD`` (one-tile rows with ``NORM`` only): the weight is ``w_pre`` and, where ``use_pre``, the
     residual is ``res_pre`` (:func:`preload_row`); callers without it pass any tensors and False.
     """
-    SRC_BITS: tl.constexpr = out_row_ptr.dtype.element_ty.primitive_bitwidth
+    DTYPE: tl.constexpr = out_row_ptr.dtype.element_ty
+    SRC_BITS: tl.constexpr = DTYPE.primitive_bitwidth
     SRC16: tl.constexpr = SRC_BITS == 16
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
@@ -230,15 +276,17 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
         if SUM == SUM_GIVEN:
             s = s_pre
         else:
-            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD, SUM,
-                         out_row_ptr.dtype.element_ty)
+            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, offs, mask, rank, WORLD, SUM, DTYPE)
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, res_pre, use_pre, HAS_RESIDUAL,
                               PRELOAD)
-            inv = rms_inverse(tree_sum(v * v), H, eps)
-            o = norm_tile(v, inv, w_ptr, out_row_ptr, offs, mask, w_pre, GEMMA, STORE_OUT, PRELOAD)
+            p = v * weight_tile(w_ptr, offs, mask, w_pre, GEMMA, PRELOAD)
             if QUANT == QUANT_PER_TOKEN:
-                scale = fp8_scale(row_amax(o, mask), FP8)
+                p_max = row_amax(p, mask)  # needs no inv: reduced beside the sum of squares, not after it
+            inv = rms_inverse(tree_sum(v * v), H, eps)
+            o = norm_tile(p, inv, out_row_ptr, offs, mask, STORE_OUT)
+            if QUANT == QUANT_PER_TOKEN:
+                scale = fp8_scale(tile_out_amax(p_max, inv, o, mask, DTYPE), FP8)
                 recip, fast = token_division(scale, SRC16)
                 store_fp8(q_row_ptr, offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
@@ -250,11 +298,11 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     else:
         tl.static_assert(SUM != SUM_GIVEN, "a given sum is one tile")
         sq = tl.zeros([BLOCK_H], dtype=tl.float32)
+        p_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD, SUM,
-                         out_row_ptr.dtype.element_ty)
+            s = sum_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, rank, WORLD, SUM, DTYPE)
             if NORM:
                 if HAS_RESIDUAL:
                     v = residual_tile(s, res_row_ptr, res_out_row_ptr, cols, mask, s, False, HAS_RESIDUAL, False)
@@ -262,35 +310,41 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     tl.store(out_row_ptr + cols, s, mask=mask)
                     v = widen(s)
                 sq += v * v
+                if QUANT == QUANT_PER_TOKEN:
+                    p = v * weight_tile(w_ptr, cols, mask, v, GEMMA, False)
+                    p_bits = tl.maximum(p_bits, abs_bits(p, mask))
             else:
                 tl.store(out_row_ptr + cols, s, mask=mask)
         if NORM:
             inv = rms_inverse(tree_sum(sq), H, eps)
-            amax_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
             tl.debug_barrier()
+            if QUANT == QUANT_PER_TOKEN:
+                if inv > _F32_MAX:  # +Inf: out_amax does not hold; max |out| from every tile of out
+                    o_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
+                    for t in tl.static_range(NUM_TILES):
+                        cols = t * BLOCK_H + offs
+                        mask = cols < H
+                        v = _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL)
+                        o = widen(round_to(v * weight_tile(w_ptr, cols, mask, v, GEMMA, False) * inv, DTYPE))
+                        o_bits = tl.maximum(o_bits, abs_bits(o, mask))
+                    amax = amax_from_bits(o_bits)
+                else:
+                    amax = out_amax(amax_from_bits(p_bits), inv, DTYPE)
+                scale = fp8_scale(amax, FP8)
+                recip, fast = token_division(scale, SRC16)
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = cols < H
-                if HAS_RESIDUAL:
-                    v = widen(tl.load(res_out_row_ptr + cols, mask=mask, other=0.0))
-                else:
-                    v = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
-                tl.debug_barrier()
-                o = norm_tile(v, inv, w_ptr, out_row_ptr, cols, mask, v, GEMMA, STORE_OUT, False)
+                v = _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL)
+                tl.debug_barrier()  # every thread has read its tile of out (s) before out is written
+                o = norm_tile(v * weight_tile(w_ptr, cols, mask, v, GEMMA, False), inv, out_row_ptr, cols, mask,
+                              STORE_OUT)
                 if QUANT == QUANT_PER_TOKEN:
-                    amax_bits = tl.maximum(amax_bits, abs_bits(o, mask))
+                    store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 elif QUANT == QUANT_PER_GROUP:
                     quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
                                      NATIVE_FP8, GROUP, SRC_BITS)
             if QUANT == QUANT_PER_TOKEN:
-                scale = fp8_scale(amax_from_bits(amax_bits), FP8)
-                recip, fast = token_division(scale, SRC16)
-                tl.debug_barrier()
-                for t in tl.static_range(NUM_TILES):
-                    cols = t * BLOCK_H + offs
-                    mask = cols < H
-                    o = widen(tl.load(out_row_ptr + cols, mask=mask, other=0.0))
-                    store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
 
 
@@ -307,7 +361,7 @@ class QuantOut:
         fp8: ``tl.float8e4nv`` (e4m3fn) or ``tl.float8e4b8`` (e4m3fnuz).
         native: use the hardware conversion (:func:`tpcomm.quant.native_fp8`).
         group: elements per group (per-group mode; 1 otherwise).
-        store_out: also store the unquantised ``out`` (asked for, or needed as scratch by a third pass).
+        store_out: also store the unquantised ``out`` (asked for).
     """
 
     q: object

@@ -208,6 +208,17 @@ def group_division(scales, SRC16: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
+def fast_divide(v, scale, recip):
+    """:func:`divide`'s quotient on its fast path (see there): Markstein's correction of ``q0 = v * recip``,
+    ``q0 - (q0 * scale - v) * recip``, both steps fused multiply-adds. The remainder is taken as
+    ``q0 * scale - v`` and subtracted (not ``v - q0 * scale`` added): the same value with the opposite
+    sign, so a zero ``v`` gives ``-0 + -0 = -0`` or ``+0 + +0 = +0`` and keeps its sign with no select
+    (the other sign would give ``+0`` for both; the select it needed cost one instruction an element)."""
+    q0 = v * recip
+    return tl.fma(-tl.fma(q0, scale, -v), recip, q0)
+
+
+@triton.jit
 def divide(v, scale, recip, fast):
     """``div_rn(v, scale)`` where FP8 can tell (float32, shape of ``v``; ``scale``/``recip`` scalars or
     per lane), for ``|v| <= amax`` of the row or group that gave ``scale`` (what every caller divides).
@@ -216,19 +227,16 @@ def divide(v, scale, recip, fast):
     cost about half of the whole fused kernel (one H200, group of one rank, 6144 x 4096 bf16: 74 us
     without FP8, 114 us with, 83 us with ``v * (1 / scale)``; ``benchmarks/dev_single.py``,
     ``docs/data/dev_single_1xH200/``). With ``fast`` (a scalar; see :func:`token_division`) the
-    quotient is instead Markstein's correction of ``q0 = v * recip``: ``q0 + (v - q0 * scale) * recip``
-    with both steps fused multiply-adds, one multiply and two FMAs per element (and ``q0`` itself
-    where it is zero, for the sign of zero). The remainder ``v - q0 * scale`` is exact unless it
-    underflows, which the fast path's ``scale >= 2^-90`` rules out for every quotient of at least
-    2^-12; smaller quotients may be one float32 ulp off but are below half the smallest FP8
-    subnormal, so they give the same byte (+-0). ``tests/test_quant.py`` checks it on a GPU for every
-    (value, amax) pair of each 16-bit dtype and format: the same FP8 bytes as ``div_rn``, and
-    the same quotient bits wherever it is at least 2^-12. 32-bit sources always take ``div_rn``.
+    quotient is instead :func:`fast_divide`'s: one multiply and two FMAs per element. The remainder
+    ``v - q0 * scale`` is exact unless it underflows, which the fast path's ``scale >= 2^-90`` rules
+    out for every quotient of at least 2^-12; smaller quotients may be one float32 ulp off but are
+    below half the smallest FP8 subnormal, so they give the same byte (+-0). ``tests/test_quant.py``
+    checks it on a GPU for every (value, amax) pair of each 16-bit dtype and format: the same FP8
+    bytes as ``div_rn``, and the same quotient bits wherever it is at least 2^-12. 32-bit sources
+    always take ``div_rn``.
     """
     if fast:
-        q0 = v * recip
-        q = tl.fma(tl.fma(-q0, scale, v), recip, q0)
-        q = tl.where(q0 == 0.0, q0, q)  # +-0 keeps its sign (the FMA's +0 + -0 would give +0)
+        q = fast_divide(v, scale, recip)
     else:
         q = tl.math.div_rn(v, scale)
     return q
@@ -236,8 +244,23 @@ def divide(v, scale, recip, fast):
 
 @triton.jit
 def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """FP8 bytes of ``div_rn(v, scale)`` (``uint8``, shape of ``v``) through :func:`divide`."""
-    return fp8_encode(divide(v, scale, recip, fast), FP8, NATIVE_FP8)
+    """FP8 bytes of ``div_rn(v, scale)`` (``uint8``, shape of ``v``) through :func:`divide`.
+
+    On the fast path (``fast``: a finite scale of at least 2^-90, see :func:`token_division`) every
+    quotient is finite, since ``|v| <= amax`` and amax is finite, so the native conversion needs no
+    NaN byte fixed up: :func:`fp8_encode`'s select and the unpacking of the converted pairs it forces
+    cost about four instructions an element. NaN and Inf rows (and tiny scales) take ``div_rn`` and
+    the full :func:`fp8_encode`.
+    """
+    if fast:
+        q = fast_divide(v, scale, recip)
+        if NATIVE_FP8 and FP8 == tl.float8e4nv:
+            code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # finite: satfinite, nearest-even
+        else:
+            code = fp8_encode_soft(q, FP8)
+    else:
+        code = fp8_encode(tl.math.div_rn(v, scale), FP8, NATIVE_FP8)
+    return code
 
 
 @triton.jit
