@@ -210,12 +210,15 @@ def group_division(scales, SRC16: tl.constexpr, GROUP: tl.constexpr):
 @triton.jit
 def fast_divide(v, scale, recip):
     """:func:`divide`'s quotient on its fast path (see there): Markstein's correction of ``q0 = v * recip``,
-    ``q0 - (q0 * scale - v) * recip``, both steps fused multiply-adds. The remainder is taken as
-    ``q0 * scale - v`` and subtracted (not ``v - q0 * scale`` added): the same value with the opposite
-    sign, so a zero ``v`` gives ``-0 + -0 = -0`` or ``+0 + +0 = +0`` and keeps its sign with no select
-    (the other sign would give ``+0`` for both; the select it needed cost one instruction an element)."""
+    ``q0 + (q0 * scale - v) * (-recip)``, both steps fused multiply-adds. The remainder is taken as
+    ``q0 * scale - v`` and multiplied by ``-recip`` (not ``v - q0 * scale`` by ``recip``): the same
+    product, but a zero ``v`` then ends as ``-0 + -0 = -0`` or ``-0 + +0 = +0`` and keeps its sign with
+    no select (the other way gives ``+0`` for both; the select it needed cost one instruction an
+    element). The negations are products with -1.0, which are exact for zeros too and which the
+    compiler folds into the FMAs' operands: Triton compiles a unary minus as ``0 - x``, which gives +0
+    for +0 (on a GPU; the interpreter's numpy negates) and lost the sign of -0.0 here."""
     q0 = v * recip
-    return tl.fma(-tl.fma(q0, scale, -v), recip, q0)
+    return tl.fma(tl.fma(q0, scale, v * -1.0), recip * -1.0, q0)
 
 
 @triton.jit
