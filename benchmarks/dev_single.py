@@ -113,6 +113,11 @@ def _quantize_selects(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.c
 
 
 @triton.jit
+def _e4m3_bytes_to(x):
+    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # Triton's own conversion: pairs unpacked, repacked
+
+
+@triton.jit
 def _amax_from_out(p_max, inv, o, mask, DTYPE: tl.constexpr):
     return row_amax(o, mask)  # as before: reduced over out after the norm (p_max, unused, is compiled out)
 
@@ -147,6 +152,7 @@ VARIANTS = {
     "tree_levels": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_levels),
     "fp8_selects": lambda: _patch("kernels.epilogue", "quantize", _quantize_selects),
     "amax_from_out": lambda: _patch("kernels.epilogue", "tile_out_amax", _amax_from_out),
+    "fp8_unpacked": lambda: _patch("kernels.quant", "e4m3_bytes", _e4m3_bytes_to),
 }
 
 
