@@ -254,7 +254,11 @@ def e4m3_bytes(x):
     ``x.to(tl.float8e4nv)`` emits the same conversion, but Triton (3.6 and 3.9, sm_90 build) then
     unpacks every pair into single bytes and packs them again for the store: 26 instructions per 16
     elements against 4 here. ``cvt ... d, a, b`` puts ``a`` in the upper half of ``d``, so the elements
-    are given in reverse; the first element of four is the lowest byte, as Triton packs them.
+    are given in reverse; the first element of four is the lowest byte, as Triton packs them. A fused
+    FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.65 / 5.98 / 17.45 µs against 4.70 / 6.05 / 17.43 with
+    Triton's conversion for Lamport, 4.63 / 5.85 / 12.69 against 4.72 / 5.80 / 13.02 for one-shot
+    (loopback ranks on one H200, ``benchmarks/dev_loopback.py --variants base,fp8_unpacked``,
+    docs/benchmarks.md).
     """
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
@@ -268,9 +272,12 @@ def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr)
 
     On the fast path (``fast``: a finite scale of at least 2^-90, see :func:`token_division`) every
     quotient is finite, since ``|v| <= amax`` and amax is finite, so the native conversion needs no
-    NaN byte fixed up: :func:`fp8_encode`'s select and the unpacking of the converted pairs it forces
-    cost about four instructions an element. NaN and Inf rows (and tiny scales) take ``div_rn`` and
-    the full :func:`fp8_encode`.
+    NaN byte fixed up (:func:`e4m3_bytes`). NaN and Inf rows (and tiny scales) take ``div_rn`` and the
+    full :func:`fp8_encode`. With the NaN select on every byte and a select for the sign of a zero
+    quotient (before :func:`fast_divide`), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.93 / 6.38 /
+    18.62 µs against 4.61 / 5.97 / 17.47 for Lamport, 5.05 / 6.33 / 14.66 against 4.68 / 5.86 / 12.89 for
+    one-shot (loopback ranks on one H200, ``benchmarks/dev_loopback.py --variants base,fp8_selects``,
+    docs/benchmarks.md; both with Triton's own conversion, before :func:`e4m3_bytes`).
     """
     if fast:
         q = fast_divide(v, scale, recip)
