@@ -92,7 +92,7 @@ def main():
                     if quant and not norm:
                         continue
                     ce = {"WORLD": 2, "BLOCK_H": block, "NUM_TILES": tiles, "NORM": norm, "HAS_RESIDUAL": res,
-                          "GEMMA": False, "QUANT": quant, "STORE_OUT": True, "FP8": tl.float8e4nv,
+                          "GEMMA": False, "QUANT": quant, "STORE_OUT": not (quant and res), "FP8": tl.float8e4nv,
                           "NATIVE_FP8": True, "GROUP": 128 if quant == 2 else 1, "PDL": True}
                     t = epi_types(dt)
                     warps = dispatch.row_config(block, 1).num_warps  # as the launchers pick them

@@ -99,7 +99,7 @@ def out_ulp_tolerance(dtype: torch.dtype, hidden: int) -> int:
     The reference (:func:`tpcomm.reference.add_rmsnorm_reference`) takes the sum of squares in the
     kernels' order (:func:`tpcomm.reference.sum_of_squares`, the pairwise ``epilogue.tree_sum``) and
     rounds every other step as they do, so ``out`` is bit-exact for every dtype (docs/numerics.md allows one
-    ulp, for a reference that summed in another order).
+    ulp, for a reference that summed, or multiplied, in another order).
     """
     return 0
 

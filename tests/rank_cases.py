@@ -206,12 +206,20 @@ def special_values_case(ctx, dtype, algo=None):
     """NaN and +-Inf in some ranks' inputs. Columns of the (2, 16) input, per rank r:
     col 0: NaN on rank 0; col 1: +Inf on every rank; col 2: +Inf on rank 0, -Inf on the last rank;
     col 3: -Inf on rank 0; everything else finite. Row 1 is all finite (a NaN must not leak across
-    rows). Returns all_reduce and fused results and their references."""
+    rows). Row 2 holds half the dtype's largest value (sign alternating) on rank 0 and zeros elsewhere,
+    with a residual of 0 and a norm weight of 4: for bf16 and fp32 its squares overflow, so the norm's
+    inverse is 0 and ``out`` is +-0 (``(v * 0) * 4``), not the NaN of ``(v * 4) * 0``, whose product
+    overflows (``kernels/epilogue.py:weight_first``). Returns all_reduce and fused results and their
+    references."""
     comm = ctx.comm(algo=algo)
     W, r = ctx.world_size, ctx.rank
     xs = []
     for q in range(W):
-        x = torch.full((2, 16), float(q + 1), dtype=dtype)
+        x = torch.full((3, 16), float(q + 1), dtype=dtype)
+        x[2] = 0.0
+        if q == 0:
+            x[2, 0::2] = torch.finfo(dtype).max / 2
+            x[2, 1::2] = -torch.finfo(dtype).max / 2
         if q == 0:
             x[0, 0] = float("nan")
             x[0, 2] = float("inf")
@@ -220,8 +228,9 @@ def special_values_case(ctx, dtype, algo=None):
             x[0, 2] = float("-inf")
         x[0, 1] = float("inf")
         xs.append(x)
-    res = torch.ones(2, 16, dtype=dtype)
-    w = torch.ones(16, dtype=dtype)
+    res = torch.ones(3, 16, dtype=dtype)
+    res[2] = 0.0
+    w = torch.full((16,), 4.0, dtype=dtype)
     s = comm.all_reduce(xs[r])
     out, ro = comm.fused_add_rmsnorm(xs[r], res, w)
     s_ref = tpcomm.reduce_in_rank_order(xs)

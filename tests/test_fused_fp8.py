@@ -77,6 +77,7 @@ WIDE = [
     (2, _c(31, "lamport", BF16, FN, "tok", False, False, False, (2, 8320), peak=True)),
     (2, _c(32, "two_shot", FP32, FNUZ, "col", True, False, True, (2, 8320), group=128, peak=True)),
     (2, _c(33, "one_shot", BF16, FN, "tok", False, False, False, (2, 8320), tiny=True, eps=0.0)),
+    (2, _c(36, "one_shot", FP32, FN, "tok", True, True, False, (2, 8320), peak=True)),
 ]
 
 #: ``eps`` 0 and rows whose squares underflow (``Fp8Case.tiny``): the norm's inverse is +Inf, where the

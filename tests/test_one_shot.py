@@ -233,4 +233,6 @@ def test_nan_and_inf_propagate(pool, algo, dtype):
                    and s[0, 3] == float("-inf"), f"rank {r}: s[0, :4] = {s[0, :4].tolist()}, expected "
                                                  "[nan, inf, nan, -inf]")
         check.that(not res["out"][1].isnan().any(), f"rank {r}: NaN leaked into the finite row 1")
+        check.that(not res["out"][2].isnan().any(), f"rank {r}: the row of huge values normalised to NaN: "
+                                                    f"{res['out'][2, :4].tolist()}")
     check.done()

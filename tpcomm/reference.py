@@ -5,7 +5,8 @@ fallback returns the same bits as the kernels, ``out`` included:
 
     s = T(acc), acc = +0.0 + f32(x_0) + f32(x_1) + ... + f32(x_{W-1})   (rank order)
     residual_out = T(f32(s) + f32(residual))
-    out = T((v * w') * (1 / sqrt(ss / H + eps))),  v = f32(residual_out),  w' = f32(w) or 1 + f32(w)
+    out = T((v * inv) * w'),  inv = 1 / sqrt(ss / H + eps),  v = f32(residual_out),  w' = f32(w) or 1 + f32(w)
+          (16-bit outputs with 0 < inv <= FLT_MAX: T((v * w') * inv), within one ulp of it)
 
 where ``ss`` is the sum of ``v^2`` in the kernels' fixed order (:func:`sum_of_squares`) and every step is
 rounded to float32.
@@ -74,7 +75,8 @@ def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight
     """Residual add + RMSNorm of an already reduced ``s`` (contract steps 2 and 3), with the kernels'
     order of operations, so the bits equal theirs: the sum of squares as :func:`sum_of_squares` adds
     them, ``inv = 1 / sqrt(sum / H + eps)`` with correctly rounded division and square root, each step
-    rounded to float32, ``out = T((v * w') * inv)`` (the kernels' order: ``kernels/epilogue.py:out_amax``).
+    rounded to float32, ``out = T((v * inv) * w')``, or ``T((v * w') * inv)`` for 16-bit outputs with a
+    finite non-zero ``inv`` (the kernels' order: ``kernels/epilogue.py:weight_first``).
 
     Args:
         s: ``(T, H)`` reduced input, dtype bf16/fp16/fp32.
@@ -103,7 +105,11 @@ def add_rmsnorm_reference(s: torch.Tensor, residual: torch.Tensor | None, weight
     ms = (ss.double() / float(v.shape[-1])).float()
     rt = torch.sqrt((ms + torch.full_like(ms, eps)).double()).float()
     inv = (1.0 / rt.double()).float()
-    out = (v * w * inv).to(s.dtype)
+    # the kernels' order (kernels/epilogue.py:weight_first): the weight first for 16-bit outputs with a
+    # finite non-zero inv, the written order (v * inv) * w' otherwise
+    first = (inv > 0) & (inv <= torch.finfo(torch.float32).max) if s.dtype in (torch.bfloat16, torch.float16) \
+        else torch.zeros_like(inv, dtype=torch.bool)
+    out = torch.where(first, (v * w) * inv, (v * inv) * w).to(s.dtype)
     return out, residual_out
 
 

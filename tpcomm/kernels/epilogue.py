@@ -10,9 +10,10 @@ the rank or the number of rows.
 Numerics (docs/numerics.md):
   s = T(sum_r f32(x_r)) in rank order starting from +0.0;
   residual_out = T(f32(s) + f32(residual));
-  out = T((f32(residual_out) * w') * 1/sqrt(mean(f32(residual_out)^2) + eps)), w' = f32(w) or 1 + f32(w),
-the weight multiplied first: then the largest ``|out|`` of a row comes from its largest ``|v * w'|``,
-which per-token FP8 reduces beside the sum of squares instead of after the norm (:func:`out_amax`).
+  out = T((f32(residual_out) * inv) * w'), inv = 1/sqrt(mean(f32(residual_out)^2) + eps), w' = f32(w) or
+  1 + f32(w); for 16-bit outputs with a finite non-zero inv, T((f32(residual_out) * w') * inv) instead,
+  within the contract's one ulp of it (:func:`weight_first`): the largest ``|out|`` of such a row comes from
+  its largest ``|v * w'|``, which per-token FP8 reduces beside the sum of squares (:func:`out_amax`).
 The square root and the division are the correctly rounded ones (``sqrt_rn``, ``div_rn``), so float32
 outputs differ from a float32 reference only through the order of the mean's sum. That sum is taken by
 pairs (:func:`tree_sum`), never with ``tl.sum`` over a tile, whose order follows the layout the compiler
@@ -181,10 +182,37 @@ def weight_tile(w_ptr, cols, mask, w_pre, GEMMA: tl.constexpr, PRELOAD: tl.const
 
 
 @triton.jit
-def norm_tile(p, inv, out_row_ptr, cols, mask, STORE_OUT: tl.constexpr):
-    """``out = T(p * inv)`` for one tile, ``p = v * w'`` (float32, :func:`weight_tile`), stored when
-    ``STORE_OUT``. Returns ``out`` widened back to float32 (what FP8 quantises)."""
-    o = round_to(p * inv, out_row_ptr.dtype.element_ty)
+def weight_first(inv, DTYPE: tl.constexpr):
+    """Whether ``out`` is ``T((v * w') * inv)`` (True) or the contract's written order ``T((v * inv) * w')``
+    (False), for a row of ``DTYPE`` output and norm inverse ``inv`` (a float32 scalar: the same in every
+    thread). Weight first for 16-bit outputs with ``0 < inv <= FLT_MAX``: then the largest ``|out|`` of a
+    row comes from its largest ``|v * w'|`` (:func:`out_amax`), found beside the sum of squares, so
+    per-token FP8 needs no reduction over ``out`` after the norm.
+
+    The two orders differ by a few float32 ulps, which a 16-bit rounding turns into at most one ulp of
+    ``out`` (the contract's allowance, docs/numerics.md item 3), as long as ``v * w'`` does not overflow,
+    which with ``inv > 0`` (every ``|v| < 2^64``) takes ``|w'| >= 2^64``. Elsewhere the written order: for
+    float32 outputs (where the orders differ by up to 2 ulps), for ``inv`` 0 (the squares overflow:
+    ``(v * 0) * w'`` is 0, where ``(v * w') * 0`` could be NaN) and for ``inv`` +Inf or NaN.
+    ``tpcomm.reference`` applies the same rule."""
+    if DTYPE.primitive_bitwidth == 16:
+        first = (inv > 0.0) & (inv <= _F32_MAX)
+    else:
+        first = inv < 0.0  # False: inv is >= 0 or NaN
+    return first
+
+
+@triton.jit
+def norm_tile(v, w, inv, first, out_row_ptr, cols, mask, STORE_OUT: tl.constexpr):
+    """``out`` for one tile: ``T((v * w') * inv)`` where ``first`` (:func:`weight_first`), else
+    ``T((v * inv) * w')``; ``v`` is float32 ``residual_out`` (or ``s``), ``w`` float32 ``w'``
+    (:func:`weight_tile`). Stored when ``STORE_OUT``. Returns ``out`` widened back to float32 (what FP8
+    quantises)."""
+    if first:
+        y = (v * w) * inv
+    else:
+        y = (v * inv) * w
+    o = round_to(y, out_row_ptr.dtype.element_ty)
     if STORE_OUT:
         tl.store(out_row_ptr + cols, o, mask=mask)
     return widen(o)
@@ -192,31 +220,31 @@ def norm_tile(p, inv, out_row_ptr, cols, mask, STORE_OUT: tl.constexpr):
 
 @triton.jit
 def out_amax(p_max, inv, DTYPE: tl.constexpr):
-    """``max |out|`` of a row from ``p_max = max |v * w'|`` over it (float32, NaN if any is), without a
-    reduction over ``out``: ``T(p_max * inv)``, for ``inv`` not +Inf (the caller checks).
+    """``max |out|`` of a row whose ``out`` is ``T((v * w') * inv)`` (:func:`weight_first`), from
+    ``p_max = max |v * w'|`` over it (float32, NaN if any is), without a reduction over ``out``:
+    ``T(p_max * inv)``.
 
-    Why it is exact: ``out = T(p * inv)`` with ``inv >= 0`` (or NaN), and ``p -> T(p * inv)`` is odd and,
-    for ``p >= 0``, non-decreasing in the order that :func:`quant.abs_bits` gives (rounding to float32,
-    then to ``DTYPE``, never reverses an order; Inf * 0 and NaN give NaN, above every number in that
-    order), so the largest ``|out|`` is the image of the largest ``|p|``. With ``inv`` +Inf (``eps`` 0
-    and every square 0) a zero ``p`` gives NaN and a non-zero one Inf, which is not monotone. This is why
-    ``out`` is ``T((v * w') * inv)`` and not ``T((v * inv) * w')``: the largest ``|out|`` of the latter
-    could come from another element than the largest ``|v * w'|``."""
+    Why it is exact: with ``0 < inv <= FLT_MAX``, ``p -> T(p * inv)`` is odd and, for ``p >= 0``,
+    non-decreasing in the order that :func:`quant.abs_bits` gives (rounding to float32, then to
+    ``DTYPE``, never reverses an order; Inf and NaN stay Inf and NaN, NaN above every number in that
+    order), so the largest ``|out|`` is the image of the largest ``|p|``. The written order
+    ``T((v * inv) * w')`` has no such property: two roundings, with a different weight in each element,
+    can make another element than the largest ``|v * w'|`` give the largest ``|out|``."""
     return widen(round_to(p_max * inv, DTYPE))
 
 
 @triton.jit
-def tile_out_amax(p_max, inv, o, mask, DTYPE: tl.constexpr):
-    """``max |out|`` of a row of one tile: :func:`out_amax` of ``p_max``, or, where ``inv`` is +Inf (the
-    same in every thread), a reduction over the tile ``o`` of ``out`` itself (float32, masked lanes
-    ignored). With that reduction every time instead (after the norm, on the path to the first byte), a
-    fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.84 / 6.26 / 18.66 µs against 4.61 / 5.97 / 17.47
-    for Lamport, 4.83 / 5.90 / 13.28 against 4.68 / 5.86 / 12.89 for one-shot (loopback ranks on one
-    H200, ``benchmarks/dev_loopback.py --variants base,amax_from_out``, docs/benchmarks.md)."""
-    if inv > _F32_MAX:
-        amax = row_amax(o, mask)
-    else:
+def tile_out_amax(p_max, inv, first, o, mask, DTYPE: tl.constexpr):
+    """``max |out|`` of a row of one tile: :func:`out_amax` of ``p_max`` where ``first``
+    (:func:`weight_first`), else a reduction over the tile ``o`` of ``out`` itself (float32, masked
+    lanes ignored). With that reduction every time instead (after the norm, on the path to the first
+    byte), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.84 / 6.26 / 18.66 µs against 4.61 / 5.97 /
+    17.47 for Lamport, 4.83 / 5.90 / 13.28 against 4.68 / 5.86 / 12.89 for one-shot (loopback ranks on
+    one H200, ``benchmarks/dev_loopback.py --variants base,amax_from_out``, docs/benchmarks.md)."""
+    if first:
         amax = out_amax(p_max, inv, DTYPE)
+    else:
+        amax = row_amax(o, mask)
     return amax
 
 
@@ -266,7 +294,9 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
     ``residual_out`` (or ``s`` into ``out``, whatever ``STORE_OUT``) and accumulates squares (and, for
     per-token FP8, the largest ``|v * w'|``, which gives the row's amax through :func:`out_amax` before
-    any of ``out`` is computed), the second re-reads, normalises and quantises.
+    any of ``out`` is computed), the second re-reads, normalises and quantises. Rows that do not take
+    the weight first (:func:`weight_first`: float32 outputs, an inverse of 0, +Inf or NaN) find the
+    per-token amax in a pass of their own over ``out`` between the two.
     ``PRELOAD`` (one-tile rows with ``NORM`` only): the weight is ``w_pre`` and, where ``use_pre``, the
     residual is ``res_pre`` (:func:`preload_row`); callers without it pass any tensors and False.
     """
@@ -283,13 +313,14 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
         if NORM:
             v = residual_tile(s, res_row_ptr, res_out_row_ptr, offs, mask, res_pre, use_pre, HAS_RESIDUAL,
                               PRELOAD)
-            p = v * weight_tile(w_ptr, offs, mask, w_pre, GEMMA, PRELOAD)
+            w = weight_tile(w_ptr, offs, mask, w_pre, GEMMA, PRELOAD)
             if QUANT == QUANT_PER_TOKEN:
-                p_max = row_amax(p, mask)  # needs no inv: reduced beside the sum of squares, not after it
+                p_max = row_amax(v * w, mask)  # needs no inv: reduced beside the sum of squares, not after it
             inv = rms_inverse(tree_sum(v * v), H, eps)
-            o = norm_tile(p, inv, out_row_ptr, offs, mask, STORE_OUT)
+            first = weight_first(inv, DTYPE)
+            o = norm_tile(v, w, inv, first, out_row_ptr, offs, mask, STORE_OUT)
             if QUANT == QUANT_PER_TOKEN:
-                scale = fp8_scale(tile_out_amax(p_max, inv, o, mask, DTYPE), FP8)
+                scale = fp8_scale(tile_out_amax(p_max, inv, first, o, mask, DTYPE), FP8)
                 recip, fast = token_division(scale, SRC16)
                 store_fp8(q_row_ptr, offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
@@ -320,28 +351,31 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                 tl.store(out_row_ptr + cols, s, mask=mask)
         if NORM:
             inv = rms_inverse(tree_sum(sq), H, eps)
+            first = weight_first(inv, DTYPE)
             tl.debug_barrier()
             if QUANT == QUANT_PER_TOKEN:
-                if inv > _F32_MAX:  # +Inf: out_amax does not hold; max |out| from every tile of out
+                if first:
+                    amax = out_amax(amax_from_bits(p_bits), inv, DTYPE)
+                else:  # max |out| from a pass over every tile of out, before any byte
                     o_bits = tl.zeros([BLOCK_H], dtype=tl.int32)
                     for t in tl.static_range(NUM_TILES):
                         cols = t * BLOCK_H + offs
                         mask = cols < H
                         v = _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL)
-                        o = widen(round_to(v * weight_tile(w_ptr, cols, mask, v, GEMMA, False) * inv, DTYPE))
+                        o = norm_tile(v, weight_tile(w_ptr, cols, mask, v, GEMMA, False), inv, first, out_row_ptr,
+                                      cols, mask, False)
                         o_bits = tl.maximum(o_bits, abs_bits(o, mask))
                     amax = amax_from_bits(o_bits)
-                else:
-                    amax = out_amax(amax_from_bits(p_bits), inv, DTYPE)
                 scale = fp8_scale(amax, FP8)
                 recip, fast = token_division(scale, SRC16)
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = cols < H
                 v = _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL)
-                tl.debug_barrier()  # every thread has read its tile of out (s) before out is written
-                o = norm_tile(v * weight_tile(w_ptr, cols, mask, v, GEMMA, False), inv, out_row_ptr, cols, mask,
-                              STORE_OUT)
+                if STORE_OUT and not HAS_RESIDUAL:
+                    tl.debug_barrier()  # every thread has read its tile of out (s) before out is written
+                o = norm_tile(v, weight_tile(w_ptr, cols, mask, v, GEMMA, False), inv, first, out_row_ptr, cols,
+                              mask, STORE_OUT)
                 if QUANT == QUANT_PER_TOKEN:
                     store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 elif QUANT == QUANT_PER_GROUP:

@@ -268,7 +268,8 @@ def e4m3_bytes(x):
 
 @triton.jit
 def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """FP8 bytes of ``div_rn(v, scale)`` (``uint8``, shape of ``v``) through :func:`divide`.
+    """FP8 bytes of ``div_rn(v, scale)`` (``uint8``, shape of ``v``): :func:`divide`'s two paths, each with
+    its own encoder.
 
     On the fast path (``fast``: a finite scale of at least 2^-90, see :func:`token_division`) every
     quotient is finite, since ``|v| <= amax`` and amax is finite, so the native conversion needs no
