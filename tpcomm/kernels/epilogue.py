@@ -238,8 +238,8 @@ def tile_out_amax(p_max, inv, first, o, mask, DTYPE: tl.constexpr):
     """``max |out|`` of a row of one tile: :func:`out_amax` of ``p_max`` where ``first``
     (:func:`weight_first`), else a reduction over the tile ``o`` of ``out`` itself (float32, masked
     lanes ignored). With that reduction every time instead (after the norm, on the path to the first
-    byte), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.84 / 6.26 / 18.66 µs against 4.61 / 5.97 /
-    17.47 for Lamport, 4.83 / 5.90 / 13.28 against 4.68 / 5.86 / 12.89 for one-shot (loopback ranks on
+    byte), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.78 / 6.11 / 17.81 µs against 4.64 / 5.89 /
+    17.03 for Lamport, 4.67 / 5.75 / 13.01 against 4.73 / 5.64 / 12.58 for one-shot (loopback ranks on
     one H200, ``benchmarks/dev_loopback.py --variants base,amax_from_out``, docs/benchmarks.md)."""
     if first:
         amax = out_amax(p_max, inv, DTYPE)
