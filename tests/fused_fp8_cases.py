@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import tpcomm
@@ -262,6 +263,8 @@ def _bad_fp8_call(comm, name: str):
         "column_major_without_quant": lambda: f(x, r, w, column_major_scales=True),
         "group_size_without_quant": lambda: f(x, r, w, group_size=3),
         "fp8_dtype_without_quant": lambda: f(x, r, w, fp8_dtype=torch.bfloat16),
+        "emit_not_bool": lambda: f(x, r, w, quant="fp8_per_token", emit_unquantized="no"),
+        "column_major_not_bool": lambda: f(x, r, w, quant="fp8_per_group", group_size=32, column_major_scales="no"),
     }
     return calls[name]
 
@@ -269,14 +272,19 @@ def _bad_fp8_call(comm, name: str):
 def fp8_bad_inputs_case(ctx, names: list) -> dict:
     """``{name: (exception type, message) or None}`` for each bad call, then a good quantised call (the
     ranks must still be in step): ``after`` = its ``(q, scales)``, ``after_ref`` = the torch quant of its
-    emitted ``out``."""
+    emitted ``out``; and a per-group call whose ``group_size`` is a numpy integer: ``numpy_group`` and
+    ``numpy_group_ref`` likewise."""
     comm = ctx.comm()
     seen = {name: raised(_bad_fp8_call(comm, name)) for name in names}
     x = torch.full((2, 32), float(ctx.rank + 1), dtype=torch.bfloat16)
     q, s, _, out = comm.fused_add_rmsnorm(x, None, torch.ones(32, dtype=torch.bfloat16),
                                           quant="fp8_per_token", emit_unquantized=True)
     rq, rs = per_token_quant_reference(out)
-    return {"errors": seen, "after": (q.view(torch.uint8), s), "after_ref": (rq.view(torch.uint8), rs)}
+    gq, gs, _, gout = comm.fused_add_rmsnorm(x, None, torch.ones(32, dtype=torch.bfloat16),
+                                             quant="fp8_per_group", group_size=np.int64(16), emit_unquantized=True)
+    grq, grs = per_group_quant_reference(gout, 16)
+    return {"errors": seen, "after": (q.view(torch.uint8), s), "after_ref": (rq.view(torch.uint8), rs),
+            "numpy_group": (gq.view(torch.uint8), gs), "numpy_group_ref": (grq.view(torch.uint8), grs)}
 
 
 #: (name, shape, quant kwargs) of the zero-token calls.

@@ -198,7 +198,11 @@ BAD = {
     "group_size_without_quant": ("group_size", ["quant", "ignored"]),
     "group_size_per_token": ("group_size=32", ["fp8_per_group"]),
     "fp8_dtype_without_quant": ("fp8_dtype", ["quant", "ignored"]),
+    "emit_not_bool": ("emit_unquantized", ["bool", "str"]),
+    "column_major_not_bool": ("column_major_scales", ["bool", "str"]),
 }
+#: The names of BAD that raise TypeError (a flag that is not a bool); the rest raise ValueError.
+TYPE_ERRORS = {"emit_not_bool", "column_major_not_bool"}
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +212,9 @@ def bad_inputs(pools):
 
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_quant_arguments_raise_naming_the_argument(bad_inputs, name):
-    """ValueError prefixed with the op, naming the argument (and the offending numbers), on every rank;
-    the ranks stay in step (a quantised call right after is right)."""
+    """ValueError (TypeError for TYPE_ERRORS) prefixed with the op, naming the argument (and the offending
+    numbers), on every rank; the ranks stay in step (quantised calls right after are right, one with a
+    numpy integer as its group size)."""
     arg, words = BAD[name]
     check = Checks()
     for r, res in enumerate(bad_inputs):
@@ -218,7 +223,8 @@ def test_bad_quant_arguments_raise_naming_the_argument(bad_inputs, name):
         if seen is None:
             continue
         typ, msg = seen
-        check.that(typ == "ValueError", f"rank {r}: {name} raised {typ}: {msg}")
+        want = "TypeError" if name in TYPE_ERRORS else "ValueError"
+        check.that(typ == want, f"rank {r}: {name} raised {typ}: {msg}")
         check.that(msg.startswith("fused_add_rmsnorm:"),
                    f"rank {r}: message not prefixed with the op: {msg!r}")
         check.that(re.search(rf"\b{arg}\b", msg) is not None,
@@ -228,6 +234,9 @@ def test_bad_quant_arguments_raise_naming_the_argument(bad_inputs, name):
         (q, s), (rq, rs) = res["after"], res["after_ref"]
         _u8_equal(check, q, rq, f"rank {r}: the call after the bad ones, bytes")
         check(assert_same_bits, s, rs, f"rank {r}: the call after the bad ones, scales")
+        (q, s), (rq, rs) = res["numpy_group"], res["numpy_group_ref"]
+        _u8_equal(check, q, rq, f"rank {r}: group_size=np.int64(16), bytes")
+        check(assert_same_bits, s, rs, f"rank {r}: group_size=np.int64(16), scales")
     check.done()
 
 

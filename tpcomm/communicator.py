@@ -351,6 +351,7 @@ class Communicator:
             algorithm. Safe in CUDA graphs. Messages larger than ``max_bytes`` run in chunks of rows.
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
+            TypeError: ``gemma``, ``emit_unquantized`` or ``column_major_scales`` is not a bool.
             ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device,
                 ``eps`` is negative or not finite (TypeError if it is not a number), or a quant argument
                 is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``).
@@ -382,8 +383,10 @@ class Communicator:
         eps = float(eps)
         if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
             raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
-        if not isinstance(gemma, bool):
-            raise TypeError(f"{op}: gemma must be a bool, got {type(gemma).__name__}")
+        for name, flag in (("gemma", gemma), ("emit_unquantized", emit_unquantized),
+                           ("column_major_scales", column_major_scales)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
         if quant is None:
             check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

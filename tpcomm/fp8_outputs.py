@@ -4,6 +4,7 @@ kernels' view of them, and the fallback's fill (docs/numerics.md, item 4)."""
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
         # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
         scales = (torch.ones if H == 0 else torch.empty)((*lead, 1), dtype=torch.float32, device=x.device)
         return Fp8Outputs(q, scales, quant, fp8_dtype, 1, False)
+    if isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
+        group_size = int(group_size)  # numpy integers too
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE \
             or group_size & (group_size - 1):
         raise ValueError(f"{op}: group_size must be a power of two in [1, {MAX_GROUP_SIZE}] "

@@ -15,6 +15,7 @@ Equivalent in torch, per row (or per group of ``group_size`` consecutive element
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 import triton.language as tl
@@ -131,8 +132,9 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     """
     op = "per_group_quant_fp8"
     _check(op, x, fp8_dtype)
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__}")
+    group_size = int(group_size)  # numpy integers too
     if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
         raise ValueError(f"{op}: group_size={group_size}; expected a power of two from 1 to {MAX_GROUP_SIZE}")
     T, H = x.shape
