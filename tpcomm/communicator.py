@@ -410,7 +410,6 @@ class Communicator:
             if qout is not None:
                 qout.fill_from(out)
             return result()
-        cfg = dispatch.row_config(H, self.workspace.max_programs)
         launch_quant = qout.launch_args(self.device, emit_unquantized) if qout else None
         # contiguous, any number of dimensions: the kernels take flat pointers (_run_rows flattens a
         # tensor only to cut it into launches)
