@@ -12,11 +12,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import dispatch, reference
+from . import call_cache, dispatch, reference
 from .env import interpreter_enabled, interpreter_problem, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
 from .fp8_outputs import check_unquantized_call, fp8_outputs
 from .quant import DEFAULT_GROUP_SIZE
+from .kernels.launch import direct_launch_supported
 from .kernels.sync import MISMATCH_CODE, call_signature
 from .workspace import Workspace
 
@@ -160,6 +161,10 @@ class Communicator:
         self._signatures: dict[int, str] = {}  # signature -> op, for error messages
         self._sig_by_key: dict[tuple, int] = {}  # (op, fields) -> signature
         self._plans: dict = {}  # plan() per call shape: the plan is a pure function of it
+        self._calls = call_cache.CallCache()  # recorded launches per call key (tpcomm.call_cache)
+        self._record: list | None = None  # while a call records: its (KernelCall, compiled) launches
+        self._cuda = self.device.type == "cuda"
+        self._direct = direct_launch_supported(self.device, self.env.direct_launch)
         self._closed = False
 
     def _register(self) -> None:
@@ -277,6 +282,12 @@ class Communicator:
                 :class:`PeerMismatchError` when it made a different call.
         """
         op = "all_reduce"
+        key = call_cache.all_reduce_key(x, out, self.algorithm, self._cuda)
+        entry = self._calls.get(key)
+        if entry is not None and not self._closed:
+            y = call_cache.all_reduce_hit(self, entry, x, out)
+            if y is not None:
+                return y
         self._check_open(op)
         self._check_tensor(op, "x", x)
         self._check_summable(op, x)
@@ -304,13 +315,16 @@ class Communicator:
             out.copy_(reference.all_reduce_reference(x, self.group))
             return out
         # an out that overlaps x other than in place would be written while peers and this rank still
-        # read x: reduce from a copy
-        src = (x.clone() if overlap else x.contiguous()).view(-1)
-        dst = out.view(-1) if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
+        # read x: reduce from a copy. The kernels address x and out flat, whatever their shape.
+        src = x.clone() if overlap else x.contiguous()
+        dst = out if out.is_contiguous() else torch.empty(n, dtype=x.dtype, device=x.device)
+        launched = [] if key is not None and not overlap else None
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
-                       gemma=False, call=(tuple(x.shape),))
+                       gemma=False, call=(tuple(x.shape),), record=launched)
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
+        elif launched is not None:
+            self._remember(key, launched, (src, dst), ())
         return out
 
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -358,6 +372,11 @@ class Communicator:
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "fused_add_rmsnorm"
+        key = call_cache.fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
+                                   column_major_scales, emit_unquantized, self.algorithm, self._cuda)
+        entry = self._calls.get(key)
+        if entry is not None and not self._closed:
+            return call_cache.fused_hit(self, entry, x, residual, weight)
         self._check_open(op)
         self._check_tensor(op, "x", x)
         if x.dtype not in dispatch.KERNEL_DTYPES:
@@ -380,7 +399,7 @@ class Communicator:
             raise TypeError(f"{op}: weight has dtype {weight.dtype}; expected a float dtype")
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # numpy scalars included
             raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
-        eps = float(eps)
+        eps = float(eps) + 0.0  # -0.0 is +0.0: one signature for the same sum
         if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
             raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
         for name, flag in (("gemma", gemma), ("emit_unquantized", emit_unquantized),
@@ -389,7 +408,7 @@ class Communicator:
                 raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
         if quant is None:
             check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         residual_out = torch.empty_like(out) if residual is not None else None
         T = x.numel() // H if H else 0
         qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales) if quant is not None else None
@@ -413,8 +432,18 @@ class Communicator:
         launch_quant = qout.launch_args(self.device, emit_unquantized) if qout else None
         # contiguous, any number of dimensions: the kernels take flat pointers (_run_rows flattens a
         # tensor only to cut it into launches)
-        self._run_rows(op, plan, x.contiguous(), out, residual.contiguous() if residual is not None else None,
-                       residual_out, weight.contiguous(), T, H, eps, norm=True, gemma=gemma, quant=launch_quant)
+        xc, rc, wc = x.contiguous(), residual.contiguous() if residual is not None else None, weight.contiguous()
+        launched = [] if key is not None else None
+        self._run_rows(op, plan, xc, out, rc, residual_out, wc, T, H, eps, norm=True, gemma=gemma,
+                       quant=launch_quant, record=launched)
+        if launched is not None:
+            if qout is None:
+                spec = (None, None, None, False, False)
+            else:
+                shape = qout.scales_view.t().shape if column_major_scales else qout.scales_view.shape
+                spec = (quant, fp8_dtype, tuple(shape), column_major_scales, emit_unquantized)
+            self._remember(key, launched, (xc, rc, wc, out, residual_out, launch_quant and launch_quant.q,
+                                           launch_quant and launch_quant.scales), spec)
         return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -436,16 +465,21 @@ class Communicator:
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "all_gather"
+        key = call_cache.dim_key(op, x, dim, self.algorithm, self._cuda)
+        entry = self._calls.get(key)
+        if entry is not None and not self._closed:
+            return call_cache.gather_hit(self, entry, x)
         self._check_open(op)
         self._check_tensor(op, "x", x)
         dim = self._check_dim(op, x, dim)
-        return self._gather(op, x, dim, (tuple(x.shape), dim))
+        return self._gather(op, x, dim, (tuple(x.shape), dim), key)
 
-    def _gather(self, op: str, x: torch.Tensor, dim: int, call: tuple) -> torch.Tensor:
+    def _gather(self, op: str, x: torch.Tensor, dim: int, call: tuple, key=None) -> torch.Tensor:
         """:meth:`all_gather` of checked arguments. ``op`` and ``call`` (the user's call: its shape and
         ``dim``) go into every launch's signature, so an error names the op the user called and peers
         that called with another ``dim`` (same gathered bytes, other meaning) raise instead of returning
-        wrong values."""
+        wrong values. ``key``: the call's key (:mod:`tpcomm.call_cache`), recorded when the launches
+        take ``x`` and the output whole."""
         W = self.world_size
         if dim != 0:
             y = x.movedim(dim, 0)  # (S, *pre, *post)
@@ -464,21 +498,25 @@ class Communicator:
         if plan.algorithm == "fallback":
             out.copy_(reference.all_gather_reference(x, self.group))
             return out
-        from .kernels.gather import all_gather
+        from .kernels.gather import all_gather_call
 
-        src, dst = x.contiguous().view(-1), out.view(-1)
+        src, dst = x.contiguous(), out  # addressed flat
         if as_bytes:
-            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+            src, dst = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
         width = self._all_reduce_width(n, src.element_size())
         cfg = dispatch.row_config(width, self.workspace.max_programs)
         n_rows = -(-n // width)
         per_launch = self.workspace.rows_per_launch(width, src.element_size())
-        with self._launching(op):
+        launched = [] if key is not None and not as_bytes else None
+        with self._launching(op, launched):
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * width, min(n, r1 * width)
                 sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, call)
-                all_gather(src[a:b], dst[a:], n, self.workspace, r1 - r0, width, cfg, sig)
+                piece, into = (src, dst) if a == 0 and b == n else (src.view(-1)[a:b], dst.view(-1)[a:])
+                self._launch(all_gather_call(piece, into, n, self.workspace, r1 - r0, width, cfg, sig))
+        if launched is not None:
+            self._remember(key, launched, (src, dst), (tuple(out.shape),))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -504,14 +542,18 @@ class Communicator:
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "reduce_scatter"
+        key = call_cache.dim_key(op, x, dim, self.algorithm, self._cuda)
+        entry = self._calls.get(key)
+        if entry is not None and not self._closed:
+            return call_cache.scatter_hit(self, entry, x)
         self._check_open(op)
         self._check_tensor(op, "x", x)
         self._check_summable(op, x)
         dim = self._check_dim(op, x, dim)
-        return self._scatter(op, x, dim, (tuple(x.shape), dim))
+        return self._scatter(op, x, dim, (tuple(x.shape), dim), key)
 
-    def _scatter(self, op: str, x: torch.Tensor, dim: int, call: tuple) -> torch.Tensor:
-        """:meth:`reduce_scatter` of checked arguments; ``call`` as in :meth:`_gather`."""
+    def _scatter(self, op: str, x: torch.Tensor, dim: int, call: tuple, key=None) -> torch.Tensor:
+        """:meth:`reduce_scatter` of checked arguments; ``call`` and ``key`` as in :meth:`_gather`."""
         if dim != 0:
             return self._scatter(op, x.movedim(dim, 0), 0, call).movedim(0, dim).contiguous()
         T, W = x.shape[0], self.world_size
@@ -537,8 +579,12 @@ class Communicator:
         if plan.algorithm == "fallback":
             out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
-        self._run_two_shot(op, x.contiguous().view(-1), out.view(-1), None, None, None, T, H, 0.0,
-                           norm=False, gemma=False, scatter_only=True, call=call)
+        xc = x.contiguous()  # addressed flat
+        launched = [] if key is not None else None
+        self._run_two_shot(op, xc, out, None, None, None, T, H, 0.0, norm=False, gemma=False, scatter_only=True,
+                           call=call, record=launched)
+        if launched is not None:
+            self._remember(key, launched, (xc, out), (tuple(out.shape),))
         return out
 
     def _integer_through_kernels(self, dtype: torch.dtype) -> bool:
@@ -629,16 +675,17 @@ class Communicator:
         return plan
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                  quant=None, call=()):
+                  quant=None, call=(), record=None):
         """Launch ``plan`` over ``n_rows`` rows of ``H`` in as many launches as the workspace needs.
         ``call`` is what tells the user's call apart beyond the flat sizes (its shape; with ``dim`` for
-        gathers and scatters): part of every launch's signature."""
+        gathers and scatters): part of every launch's signature. ``record``: a list that receives each
+        launch (:meth:`_launch`)."""
         if plan.algorithm == "two_shot":
             self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                               quant=quant, call=call)
+                               quant=quant, call=call, record=record)
             return
-        from .kernels.lamport import lamport
-        from .kernels.one_shot import one_shot
+        from .kernels.lamport import lamport_call
+        from .kernels.one_shot import one_shot_call
 
         ws = self.workspace
         cfg = dispatch.row_config(H, ws.max_programs)
@@ -647,7 +694,7 @@ class Communicator:
         use_lamport = plan.algorithm == "lamport" and lamport_rows >= 1
         per_launch = lamport_rows if use_lamport else ws.rows_per_launch(H, es)
         numel = x.numel()
-        with self._launching(op):
+        with self._launching(op, record):
             for r0 in range(0, n_rows, per_launch):
                 r1 = min(n_rows, r0 + per_launch)
                 a, b = r0 * H, min(numel, r1 * H)
@@ -661,24 +708,53 @@ class Communicator:
                 q = quant.shifted(r0, a) if quant is not None else None
                 sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
                                  residual is not None, gemma, _quant_fields(quant), eps, call)
-                (lamport if use_lamport else one_shot)(*args, sig, quant=q)
+                self._launch((lamport_call if use_lamport else one_shot_call)(*args, sig, quant=q))
 
     def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                      scatter_only=False, quant=None, call=()):
-        from .kernels.two_shot import two_shot
+                      scatter_only=False, quant=None, call=(), record=None):
+        from .kernels.two_shot import two_shot_call
 
         ws = self.workspace
         cfg = dispatch.row_config(H, ws.max_programs, two_shot=True)
         per_launch = ws.share_rows_per_launch(H, x.element_size())
         longest = -(-n_rows // self.world_size)
-        with self._launching(op):
+        with self._launching(op, record):
             for j0 in range(0, longest, per_launch):
                 n_local = min(per_launch, longest - j0)
                 sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
                                  residual is not None, gemma, _quant_fields(quant), scatter_only, eps,
                                  call)
-                two_shot(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H, eps, cfg, norm,
-                         gemma, sig, scatter_only, quant)
+                self._launch(two_shot_call(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H,
+                                           eps, cfg, norm, gemma, sig, scatter_only, quant))
+
+    def _launch(self, call) -> None:
+        """Launch ``call`` (a :class:`~tpcomm.kernels.launch.KernelCall`); while a call records
+        (:meth:`_launching`), keep it and what Triton returned for :meth:`_remember`."""
+        compiled = call.launch()
+        if self._record is not None:
+            self._record.append((call, compiled))
+
+    def _remember(self, key, launched: list, tensors: tuple, spec: tuple) -> None:
+        """Cache the launches ``launched`` of the call with ``key`` (:mod:`tpcomm.call_cache`), each tensor
+        parameter a slot of ``tensors``; a call whose launches take other tensors is not cached."""
+        ws = self.workspace
+        replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
+                                                        ws.state, ws.err), self._direct)
+        if replays is not None:
+            self._calls.put(key, call_cache.CachedCall(replays, spec))
+
+    def _replay(self, op: str, entry, tensors: tuple) -> None:
+        """Launch a cached call's replays with ``tensors`` (:meth:`_launching`'s checks and ordering, without
+        its generator)."""
+        ws = self.workspace
+        with self._lock:
+            if ws.error_code():
+                self.check(op)
+            stream = self._order_streams() if self._cuda else None
+            for replay in entry.replays:
+                replay.launch(tensors, stream)
+            if ws.error_code():
+                self.check(op)
 
     def _sign(self, op: str, *fields) -> int:
         """The signature of one launch of ``op`` (:func:`~tpcomm.kernels.sync.call_signature`), cached per
@@ -695,21 +771,35 @@ class Communicator:
         return sig
 
     @contextlib.contextmanager
-    def _launching(self, op: str):
+    def _launching(self, op: str, record: list | None = None):
         """Around a call's launches: raise a recorded error first and after; one call at a time (a lock);
-        and on CUDA, order this call after the previous one when it was issued on another stream."""
+        on CUDA, order this call after the previous one when it was issued on another stream; while
+        inside, :meth:`_launch` appends each launch to ``record`` (when given)."""
         with self._lock:
             self.check(op)
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
-                last = self._last_stream
-                if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
-                    # The previous call's kernels share the epoch and the buffers with this one: they must
-                    # not run at the same time. Work queued on `last` so far includes that call.
-                    stream.wait_stream(last)
-                self._last_stream = stream
-            yield
+            if self._cuda:
+                self._order_streams()
+            self._record = record
+            try:
+                yield
+            finally:
+                self._record = None
             self.check(op)
+
+    def _order_streams(self) -> int:
+        """On CUDA: make the current stream wait for the previous call's when that call was issued on
+        another stream (the two share the epoch and the buffers, so they must not run at the same time;
+        work queued on the old stream so far includes that call). Not while capturing a graph. Returns
+        the current stream's raw handle (what a direct launch takes); reading it is a fraction of a µs,
+        against a few µs for ``torch.cuda.current_stream``, which is only asked when the stream changed."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        last = self._last_stream
+        if last is None or last[0] != raw:
+            stream = torch.cuda.current_stream(self.device)
+            if last is not None and not torch.cuda.is_current_stream_capturing():
+                stream.wait_stream(last[1])
+            self._last_stream = (raw, stream)
+        return raw
 
     # -- errors, life cycle -------------------------------------------------------------------------
     def check(self, op: str = "check") -> None:
@@ -761,6 +851,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._calls.clear()
         if self.workspace is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -34,6 +34,9 @@ class EnvConfig:
             tile of 4096+ elements) run up to twice it (``dispatch.row_config``).
         pdl: ``TPCOMM_PDL``: ``1`` (default) launches the kernels with programmatic dependent launch on
             GPUs that have it (sm_90+), ``0`` never.
+        direct_launch: ``TPCOMM_DIRECT_LAUNCH``: ``1`` (default) lets a repeated call on CUDA launch
+            through the compiled kernel's own launcher (:mod:`tpcomm.kernels.launch`), ``0`` always
+            through ``kernel[grid]``.
     """
 
     algo: str = "auto"
@@ -41,6 +44,7 @@ class EnvConfig:
     timeout_s: float = 30.0
     max_programs: int | None = None
     pdl: bool = True
+    direct_launch: bool = True
 
 
 def read_env() -> EnvConfig:
@@ -71,7 +75,11 @@ def read_env() -> EnvConfig:
     pdl = (os.environ.get("TPCOMM_PDL") or "1").strip()
     if pdl not in ("0", "1"):
         raise ValueError(f"TPCOMM_PDL={pdl!r}: expected 0 or 1")
-    return EnvConfig(algo=algo, table=table, timeout_s=timeout_s, max_programs=max_programs, pdl=pdl == "1")
+    direct = (os.environ.get("TPCOMM_DIRECT_LAUNCH") or "1").strip()
+    if direct not in ("0", "1"):
+        raise ValueError(f"TPCOMM_DIRECT_LAUNCH={direct!r}: expected 0 or 1")
+    return EnvConfig(algo=algo, table=table, timeout_s=timeout_s, max_programs=max_programs, pdl=pdl == "1",
+                     direct_launch=direct == "1")
 
 
 #: Set by ``tpcomm/__init__`` when, on a machine without CUDA, it set ``TRITON_INTERPRET=1`` after Triton had

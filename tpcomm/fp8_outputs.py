@@ -50,7 +50,7 @@ class Fp8Outputs:
             row_stride, group_stride, group = self.scales_view.shape[-1], 1, self.group_size
         mode = QUANT_PER_TOKEN.value if self.mode == "fp8_per_token" else QUANT_PER_GROUP.value
         fp8 = tl.float8e4nv if self.fp8_dtype == torch.float8_e4m3fn else tl.float8e4b8
-        return QuantOut(self.q_fp8.view(torch.uint8).view(-1), self.scales_view, row_stride, group_stride,
+        return QuantOut(self.q_fp8.view(torch.uint8), self.scales_view, row_stride, group_stride,
                         mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out)
 
     def fill_from(self, out: torch.Tensor) -> None:

@@ -390,7 +390,7 @@ class QuantOut:
     """Where a fused launch writes its FP8 output (host side; a launcher passes these to the kernel).
 
     Attributes:
-        q: ``uint8`` view of the FP8 output, laid out like ``out`` (flat rows of ``H``).
+        q: ``uint8`` view of the FP8 output, laid out like ``out`` (rows of ``H``, addressed flat).
         scales: float32; the scale of group ``g`` of row ``i`` is at element
             ``i * row_stride + g * group_stride`` (per token: ``g`` is 0).
         row_stride, group_stride: element strides of ``scales`` (row-major or column-major layouts).
@@ -417,7 +417,7 @@ class QuantOut:
         if row0 == 0 and elem0 == 0:
             return self
         first = self.scales.as_strided((1,), (1,), self.scales.storage_offset() + row0 * self.row_stride)
-        return replace(self, q=self.q[elem0:], scales=first)
+        return replace(self, q=self.q.view(-1)[elem0:], scales=first)
 
     def kernel_args(self) -> tuple:
         """``(q, scales, row_stride, group_stride)``, the kernel's pointer arguments."""

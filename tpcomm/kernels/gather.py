@@ -16,6 +16,7 @@ buffer, so peers only ever write the workspace.
 import triton
 import triton.language as tl
 
+from .launch import KernelCall
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
@@ -66,8 +67,8 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
     finish_program(state_ptr, epoch, num_programs)
 
 
-def all_gather(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, signature: int) -> None:
-    """Launch the all-gather kernel on rows ``[0, n_rows)`` of ``width`` elements of flat ``x``.
+def all_gather_call(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, signature: int) -> KernelCall:
+    """The launch of the all-gather kernel on rows ``[0, n_rows)`` of ``width`` elements of flat ``x``.
 
     Args:
         x: this rank's piece, at most ``n_rows * width`` elements (``x.numel()`` bounds the last row).
@@ -78,10 +79,11 @@ def all_gather(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, s
         signature: the call's signature (:func:`tpcomm.kernels.sync.call_signature`).
     """
     es = x.element_size()
-    _all_gather_kernel[(cfg.grid(n_rows),)](
+    return KernelCall(_all_gather_kernel, cfg.grid(n_rows), (
         x, out, ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, width, x.numel(), out_rank_stride, ws.row_stride(width, es), ws.slot_elems(es),
         ws.parity_elems(es), ws.pad_programs, ws.timeout, ws.rank, signature,
+    ), dict(
         WORLD=ws.world_size, BLOCK=cfg.block_h, NUM_TILES=cfg.num_tiles, num_warps=cfg.num_warps,
         enable_fp_fusion=False, **ws.launch_options(),
-    )
+    ))

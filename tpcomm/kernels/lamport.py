@@ -35,6 +35,7 @@ import triton.language as tl
 from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_quant_args, preload_row,
                        reduce_norm_row, round_to)
 from .quant import widen
+from .launch import KernelCall
 from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
                    record_timeout)
 
@@ -197,9 +198,9 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     finish_program(state_ptr, epoch, num_programs)
 
 
-def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-            cfg, norm: bool, gemma: bool, signature: int, quant=None) -> None:
-    """Launch the Lamport kernel on rows ``[0, n_rows)``; arguments as :func:`one_shot.one_shot`.
+def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
+                 cfg, norm: bool, gemma: bool, signature: int, quant=None) -> KernelCall:
+    """The launch of the Lamport kernel on rows ``[0, n_rows)``; arguments as :func:`one_shot.one_shot_call`.
 
     ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
     (:meth:`~tpcomm.workspace.Workspace.lamport_rows_per_launch`).
@@ -207,15 +208,15 @@ def lamport(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps
     if n_rows < 1:  # a program without rows would re-arm its call tags without waiting for them
         raise ValueError(f"lamport: n_rows must be >= 1, got {n_rows}")
     has_res = residual is not None
-    grid = (cfg.grid(n_rows),)
-    _lamport_kernel[grid](
+    return KernelCall(_lamport_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.lamport_table, ws.state, ws.err,
         n_rows, H, x.numel(), ws.row_stride(H, 2), ws.lamport_slot_bytes // 2,
         ws.world_size * ws.lamport_slot_bytes // 2,
         eps, ws.timeout, ws.rank, signature, ws.tag_offset(), ws.max_programs,
+    ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
-    )
+    ))

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
+from .launch import KernelCall
 from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
 
 
@@ -82,9 +83,9 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     finish_program(state_ptr, epoch, num_programs)
 
 
-def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-             cfg, norm: bool, gemma: bool, signature: int, quant=None) -> None:
-    """Launch the one-shot kernel on rows ``[0, n_rows)`` of the flat tensors.
+def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
+                  cfg, norm: bool, gemma: bool, signature: int, quant=None) -> KernelCall:
+    """The launch of the one-shot kernel on rows ``[0, n_rows)`` of the flat tensors.
 
     Args:
         x, out: ``(n_rows * H)`` elements (``out`` may also hold fewer: ``x.numel()`` bounds both).
@@ -98,16 +99,16 @@ def one_shot(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, ep
         quant: :class:`~tpcomm.kernels.epilogue.QuantOut` of this launch's rows, or None (no FP8 output).
     """
     has_res = residual is not None
-    grid = (cfg.grid(n_rows),)
     row_stride = ws.row_stride(H, x.element_size())
-    _one_shot_kernel[grid](
+    return KernelCall(_one_shot_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
         ws.parity_elems(x.element_size()), ws.pad_programs,
         eps, ws.timeout, ws.rank, signature,
+    ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
-    )
+    ))

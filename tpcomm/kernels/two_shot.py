@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .epilogue import NO_QUANT, SUM_LOAD, no_quant_args, reduce_norm_row, reduce_tile, round_to
+from .launch import KernelCall
 from .sync import (exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch,
                    signal_peers, wait_peers)
 
@@ -161,10 +162,10 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     finish_program(state_ptr, epoch, num_programs)
 
 
-def two_shot(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n_local: int, H: int,
-             eps: float, cfg, norm: bool, gemma: bool, signature: int, scatter_only: bool = False,
-             quant=None) -> None:
-    """Launch the two-shot kernel on local rows ``[j0, j0 + n_local)`` of every share.
+def two_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n_local: int, H: int,
+                  eps: float, cfg, norm: bool, gemma: bool, signature: int, scatter_only: bool = False,
+                  quant=None) -> KernelCall:
+    """The launch of the two-shot kernel on local rows ``[j0, j0 + n_local)`` of every share.
 
     Args:
         x: the whole input, ``n_rows * H`` elements or fewer (a plain all-reduce's last row may be
@@ -182,13 +183,14 @@ def two_shot(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n
     """
     has_res = residual is not None and not scatter_only
     es = x.element_size()
-    _two_shot_kernel[(cfg.grid(n_local),)](
+    return KernelCall(_two_shot_kernel, cfg.grid(n_local), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
         ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, j0, n_local, H, x.numel(), ws.row_stride(H, es), ws.slot_elems(es), ws.half_slot_elems(es),
         ws.parity_elems(es), ws.pad_programs, eps, ws.timeout, ws.rank, signature,
+    ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, SCATTER_ONLY=scatter_only,
         NORM=norm, HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
-    )
+    ))
