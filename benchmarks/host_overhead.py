@@ -22,6 +22,22 @@ def _no_kernel(self, grid):
     return lambda *args, **kwargs: None
 
 
+def _no_launcher(*args):
+    return None
+
+
+def _replay_as_on_cuda(comm) -> None:
+    """Make every cached launch of ``comm`` take the path a CUDA replay takes (pointers as addresses, the
+    compiled kernel's launcher called with every parameter), with that launcher a no-op."""
+    from triton import knobs
+
+    for entry in comm._calls._entries.values():
+        for replay in entry.replays:
+            replay.direct, replay._run, replay._function, replay._meta = True, _no_launcher, 0, None
+            replay._hooks = knobs.runtime
+        entry.direct = True
+
+
 def body(rank, world, calls):
     import tpcomm
     from triton.runtime.interpreter import InterpretedFunction
@@ -45,11 +61,16 @@ def body(rank, world, calls):
     InterpretedFunction.__getitem__ = _no_kernel  # every launch, first or cached, is a no-op from here on
     res = {}
     try:
-        for name, f in ops.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                f()
-            res[name] = (time.perf_counter() - t) / calls * 1e6
+        for mode in ("interpreter", "cuda path"):
+            if mode == "cuda path":
+                _replay_as_on_cuda(comm)
+            for name, f in ops.items():
+                for _ in range(20):
+                    f()
+                t = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                res[name, mode] = (time.perf_counter() - t) / calls * 1e6
     finally:
         InterpretedFunction.__getitem__ = saved
     comm.close()
@@ -105,5 +126,7 @@ if __name__ == "__main__":
                                              for r, o in enumerate(out)))
     else:
         out = launch(body, 2, "cpu", args=(a.calls,))
-        for name in out[0]:
-            print(f"{name:22s} " + "  ".join(f"rank {r}: {o[name]:6.1f} us" for r, o in enumerate(out)))
+        print(f"{'us per call':22s} {'kernel[grid] (interpreter)':>28s} {'compiled launcher (as on CUDA)':>32s}")
+        for name in dict.fromkeys(k[0] for k in out[0]):
+            print(f"{name:22s} " + "".join(f"{' / '.join(f'{o[name, mode]:5.1f}' for o in out):>{w}s}"
+                                           for mode, w in (("interpreter", 28), ("cuda path", 32))))

@@ -914,7 +914,7 @@ EXPECTED: dict[str, dict] = {
     "reduce_scatter 1 row (fewer rows than ranks)": result(1),
     "reduce_scatter x[1:] of a flat buffer": result(1),
     "reduce_scatter x[:, ::2]": result(1),
-    # moved to rows of 3 elements: narrower than MIN_SCATTER_ROW (communicator.py), so the fallback
+    # moved to rows of 3 elements: narrower than MIN_SCATTER_ROW (dispatch.py), so the fallback
     "reduce_scatter dim=-1": result(1, NARROW),
     "all_gather zero rows (0, H)": result(0, EMPTY),
     "reduce_scatter zero rows (0, H)": result(0, EMPTY),

@@ -167,7 +167,7 @@ def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op, algo=None):
         nbytes, hidden = x.numel() * x.element_size(), H
     else:
         call = lambda c: (c.all_reduce(x), None)  # noqa: E731
-        nbytes, hidden = x.numel() * x.element_size(), small._all_reduce_width(x.numel(), x.element_size())
+        nbytes, hidden = x.numel() * x.element_size(), dispatch.all_reduce_width(x.numel(), x.element_size(), small.workspace)
     before = small.workspace.epoch()
     chunked = call(small)
     launches = small.workspace.epoch() - before

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import KernelCall, Replay
+from .validate import overlapping
 
 #: Keys a communicator remembers; the oldest goes first.
 MAX_ENTRIES = 512
@@ -128,21 +129,28 @@ def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
     return ("all_reduce", kx, ko, algorithm, alignment(x, out) if cuda else 0)
 
 
-def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-              emit_unquantized, algorithm: str, cuda: bool) -> tuple | None:
-    kx, kw = _tensor_key(x), _tensor_key(weight)
-    if kx is None or kw is None:
+def _optional_key(t):
+    """``_tensor_key`` of an optional tensor: None for None, False for a tensor that has no key."""
+    if t is None:
         return None
-    if residual is None:
-        kr = None
-    else:
-        kr = _tensor_key(residual)
-        if kr is None:
+    return _tensor_key(t) or False
+
+
+def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+              emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool) -> tuple | None:
+    kx, kw, kr = _tensor_key(x), _tensor_key(weight), _optional_key(residual)
+    if kx is None or kw is None or kr is False:
+        return None
+    given = None
+    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
+        given = (_optional_key(out), "residual" if residual_out is residual and residual is not None
+                 else _optional_key(residual_out), _optional_key(q_out), _optional_key(scales_out))
+        if False in given:
             return None
     return ("fused_add_rmsnorm", kx, kr, kw, eps.__class__, eps, gemma.__class__, gemma, quant, fp8_dtype,
             group_size.__class__, group_size, column_major_scales.__class__, column_major_scales,
-            emit_unquantized.__class__, emit_unquantized, algorithm,
-            alignment(x, residual, weight) if cuda else 0)
+            emit_unquantized.__class__, emit_unquantized, given, algorithm,
+            alignment(x, residual, weight, out, residual_out, q_out, scales_out) if cuda else 0)
 
 
 def dim_key(op: str, x, dim, algorithm: str, cuda: bool) -> tuple | None:
@@ -165,17 +173,25 @@ def all_reduce_hit(comm, entry: CachedCall, x, out):
     return out
 
 
-def fused_hit(comm, entry: CachedCall, x, residual, weight):
-    """A repeated ``fused_add_rmsnorm``. ``entry.spec``: ``(quant, fp8_dtype, scale_shape,
-    column_major, emit_unquantized)``, ``quant`` None without FP8 output."""
+def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out):
+    """A repeated ``fused_add_rmsnorm``, or None: take the full path (a given output overlaps an input or
+    another output). ``entry.spec``: ``(quant, fp8_dtype, scale_shape, column_major, emit_unquantized)``,
+    ``quant`` None without FP8 output."""
     quant, fp8_dtype, scale_shape, column_major, emit = entry.spec
-    out = torch.empty_like(x, memory_format=_CONTIGUOUS)
-    residual_out = torch.empty_like(x, memory_format=_CONTIGUOUS) if residual is not None else None
+    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
+        if overlapping((out, residual_out, q_out, scales_out), (x, residual, weight), ((1, 1),)) is not None:
+            return None
+    if out is None:
+        out = torch.empty_like(x, memory_format=_CONTIGUOUS)
+    if residual_out is None and residual is not None:
+        residual_out = torch.empty_like(x, memory_format=_CONTIGUOUS)
     if quant is None:
         comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None))
         return out, residual_out
-    q = torch.empty_like(x, dtype=fp8_dtype, memory_format=_CONTIGUOUS)
-    if column_major:
+    q = q_out if q_out is not None else torch.empty_like(x, dtype=fp8_dtype, memory_format=_CONTIGUOUS)
+    if scales_out is not None:
+        scales = scales_out
+    elif column_major:
         scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device).t()
     else:
         scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import numbers
 import socket
 import threading
 import weakref
@@ -12,7 +11,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import call_cache, dispatch, reference
+from . import call_cache, dispatch, reference, validate
+from .validate import checked_limits
 from .env import interpreter_enabled, interpreter_problem, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
 from .fp8_outputs import check_unquantized_call, fp8_outputs
@@ -29,57 +29,6 @@ DEFAULT_MAX_BYTES_CPU = 1 << 20
 #: reused, so a compiled graph that outlives its communicator raises instead of using another one.
 _BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
-#: The largest finite float32 (``eps`` is added in float32).
-FLOAT32_MAX = 3.4028234663852886e38
-#: Kernels index a launch's elements with int32: one launch stays under 2**31 elements.
-MAX_MAX_BYTES = 1 << 30
-#: Two-shot and all-gather index the whole tensor (two-shot's shares span it): larger ones use one-shot
-#: chunks (all-reduce) or the fallback (all-gather, reduce-scatter).
-MAX_INDEXED_ELEMS = (1 << 31) - 1
-#: Rows narrower than this many elements make reduce-scatter's kernel mostly idle lanes: an all-gather
-#: through the kernel and the rank-order sum on this rank are used instead.
-MIN_SCATTER_ROW = 16
-
-
-def checked_limits(who: str, max_bytes, timeout_s) -> tuple[int, float]:
-    """``(max_bytes, timeout_s)`` checked: an int in ``(0, MAX_MAX_BYTES]`` and a positive, finite number
-    of seconds.
-
-    Raises:
-        TypeError: ``max_bytes`` is not an int, or ``timeout_s`` not a number.
-        ValueError: either is out of range.
-    """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
-        raise TypeError(f"{who}: max_bytes must be an int (bytes), got {type(max_bytes).__name__}")
-    if not 0 < max_bytes <= MAX_MAX_BYTES:
-        raise ValueError(f"{who}: max_bytes must be in (0, {MAX_MAX_BYTES}], got {max_bytes}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"{who}: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
-    if not 0 < timeout_s < float("inf"):
-        raise ValueError(f"{who}: timeout_s must be positive and finite, got {timeout_s}")
-    return max_bytes, float(timeout_s)
-
-
-def _strides_may_overlap(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` may share memory: True unless, with the dimensions of more than one
-    element sorted by stride, each stride exceeds the largest offset the smaller ones reach (a sufficient
-    test; it also flags a stride of 0, e.g. from ``expand()``)."""
-    reach = 0
-    for stride, size in sorted((abs(st), sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride <= reach:
-            return True
-        reach += stride * (size - 1)
-    return False
-
-
-def _partly_overlaps(out: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether contiguous ``out`` and ``x`` of the same size and dtype share bytes without being the same
-    (``out=x`` is in place, which the kernels support): e.g. ``out=buf[:-1]`` with ``x=buf[1:]``. Only
-    then would the kernel write ``out`` while ``x`` is still read (a non-contiguous ``x`` is copied and a
-    non-contiguous ``out`` written through a staging tensor anyway)."""
-    return 0 < abs(out.data_ptr() - x.data_ptr()) < x.numel() * x.element_size()
-
-
 class Communicator:
     """Tensor-parallel collectives for one process group, on the GPUs of one node or on CPU ranks.
 
@@ -289,28 +238,22 @@ class Communicator:
             if y is not None:
                 return y
         self._check_open(op)
-        self._check_tensor(op, "x", x)
-        self._check_summable(op, x)
+        validate.check_tensor(op, "x", x, self.device)
+        validate.check_summable(op, x)
         overlap = False
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         else:
-            self._check_tensor(op, "out", out)
-            if out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype} but x has "
-                                 f"{tuple(x.shape)} and {x.dtype}")
-            if _strides_may_overlap(out):
-                raise ValueError(f"{op}: out has elements that share memory (stride {tuple(out.stride())}, "
-                                 "e.g. from expand()); pass a tensor whose elements are distinct")
-            overlap = x.is_contiguous() and out.is_contiguous() and _partly_overlaps(out, x)
+            validate.check_all_reduce_out(op, x, out, self.device)
+            overlap = x.is_contiguous() and out.is_contiguous() and validate.partly_overlaps(out, x)
         if x.numel() == 0:
             return out
-        if self._integer_through_kernels(x.dtype):
+        n = x.numel()
+        plan = self.plan(op, n * x.element_size(), n, x.dtype)
+        if plan.algorithm == "push":  # an integer sum
             out.copy_(self._integer_sum(op, x, (tuple(x.shape),)).view(x.shape))
             return out
-        n = x.numel()
-        width = self._all_reduce_width(n, x.element_size())
-        plan = self.plan(op, n * x.element_size(), n, x.dtype)
+        width = dispatch.all_reduce_width(n, x.element_size(), self.workspace)
         if plan.algorithm == "fallback":
             out.copy_(reference.all_reduce_reference(x, self.group))
             return out
@@ -330,7 +273,9 @@ class Communicator:
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                           eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
                           fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
-                          column_major_scales: bool = False, emit_unquantized: bool = False):
+                          column_major_scales: bool = False, emit_unquantized: bool = False, *,
+                          out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                          q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None):
         """All-reduce ``x``, add ``residual``, RMSNorm — in one kernel.
 
         Plain torch: ``s = all_reduce(x); residual_out = s + residual;
@@ -357,9 +302,16 @@ class Communicator:
             column_major_scales: ``fp8_per_group`` only, ``x`` 2-D: return the scales as the transpose
                 view of a contiguous ``(H / group_size, T)`` tensor (the layout grouped GEMMs read).
             emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
+            out, residual_out: where to write ``out`` and ``residual_out`` instead of new tensors:
+                contiguous, ``x``'s shape and dtype; ``residual_out`` may be ``residual`` itself (the
+                residual updated in place, as engines call ``fused_add_rms_norm``). With ``quant``,
+                ``out`` needs ``emit_unquantized``.
+            q_out, scales_out: with ``quant``, where to write ``q`` (contiguous, ``x``'s shape,
+                ``fp8_dtype``) and the scales (float32, the shape and strides this call would return).
+                No given output may share memory with an input or another output.
         Returns:
-            Without ``quant``: ``(out, residual_out)``, new tensors shaped like ``x``; ``residual_out`` is
-            None without a residual. With ``quant``: ``(q, scales, residual_out, out)``: ``q`` shaped like
+            Without ``quant``: ``(out, residual_out)``, shaped like ``x`` (the given tensors, or new ones);
+            ``residual_out`` is None without a residual. With ``quant``: ``(q, scales, residual_out, out)``: ``q`` shaped like
             ``x`` in ``fp8_dtype``; ``scales`` float32 ``(..., 1)`` per token or ``(..., H / group_size)``
             per group; ``out`` None unless ``emit_unquantized``. Identical bits on every rank, for every
             algorithm. Safe in CUDA graphs. Messages larger than ``max_bytes`` run in chunks of rows.
@@ -367,51 +319,50 @@ class Communicator:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
             TypeError: ``gemma``, ``emit_unquantized`` or ``column_major_scales`` is not a bool.
             ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device,
-                ``eps`` is negative or not finite (TypeError if it is not a number), or a quant argument
-                is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``).
+                ``eps`` is negative or not finite (TypeError if it is not a number), a quant argument
+                is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``), or a
+                given output has the wrong shape, dtype or layout, or overlaps an input or another output.
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "fused_add_rmsnorm"
         key = call_cache.fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
-                                   column_major_scales, emit_unquantized, self.algorithm, self._cuda)
+                                   column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out,
+                                   self.algorithm, self._cuda)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
-            return call_cache.fused_hit(self, entry, x, residual, weight)
+            outs = call_cache.fused_hit(self, entry, x, residual, weight, out, residual_out, q_out, scales_out)
+            if outs is not None:
+                return outs
         self._check_open(op)
-        self._check_tensor(op, "x", x)
-        if x.dtype not in dispatch.KERNEL_DTYPES:
-            raise TypeError(f"{op}: x has dtype {x.dtype}; expected bfloat16, float16 or float32")
-        if x.dim() < 1:
-            raise ValueError(f"{op}: x must have at least one dimension (..., H), got a scalar")
-        H = x.shape[-1]
-        if residual is not None:
-            self._check_tensor(op, "residual", residual)
-            if residual.shape != x.shape:
-                raise ValueError(f"{op}: residual has shape {tuple(residual.shape)} but x has "
-                                 f"{tuple(x.shape)}")
-            if residual.dtype != x.dtype:
-                raise TypeError(f"{op}: residual has dtype {residual.dtype} but x has {x.dtype}")
-        self._check_tensor(op, "weight", weight)
-        if weight.shape != (H,):
-            raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}; expected ({H},) to match "
-                             f"x's last dimension")
-        if not weight.is_floating_point():
-            raise TypeError(f"{op}: weight has dtype {weight.dtype}; expected a float dtype")
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # numpy scalars included
-            raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
-        eps = float(eps) + 0.0  # -0.0 is +0.0: one signature for the same sum
-        if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
-            raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
-        for name, flag in (("gemma", gemma), ("emit_unquantized", emit_unquantized),
-                           ("column_major_scales", column_major_scales)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+        eps = validate.check_fused_inputs(op, x, residual, weight, eps, gemma, emit_unquantized,
+                                          column_major_scales, self.device)
         if quant is None:
             check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized)
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        residual_out = torch.empty_like(out) if residual is not None else None
+        validate.check_fused_outputs(op, x, residual, weight, quant, emit_unquantized, out, residual_out,
+                                     self.device)
+        H = x.shape[-1]
         T = x.numel() // H if H else 0
-        qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales) if quant is not None else None
+        qout = None
+        if quant is not None:
+            qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out)
+        else:
+            validate.check_fp8_outputs(op, x, None, q_out, scales_out, None, fp8_dtype, self.device)
+        given = (out, residual_out) + ((q_out, scales_out) if qout is not None else ())
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if residual_out is None and residual is not None:
+            residual_out = torch.empty_like(out)
+        outputs = (out, residual_out) + ((qout.q_fp8, qout.scales_view) if qout is not None else ())
+        # the kernels read x, residual and weight in place: a given output may not share their bytes
+        # (residual_out may be residual itself)
+        xc, rc, wc = x.contiguous(), residual.contiguous() if residual is not None else None, weight.contiguous()
+        if any(t is not None for t in given):
+            clash = validate.overlapping(outputs, (xc, rc, wc), allowed=((1, 1),))
+            if clash is not None:
+                names = ("out", "residual_out", "q_out", "scales_out")
+                other = ("x", "residual", "weight") + names
+                raise ValueError(f"{op}: {names[clash[0]]} shares memory with {other[clash[1]]}; outputs may "
+                                 "overlap no input and no other output (residual_out may be residual itself)")
 
         def result():
             if qout is None:
@@ -432,7 +383,6 @@ class Communicator:
         launch_quant = qout.launch_args(self.device, emit_unquantized) if qout else None
         # contiguous, any number of dimensions: the kernels take flat pointers (_run_rows flattens a
         # tensor only to cut it into launches)
-        xc, rc, wc = x.contiguous(), residual.contiguous() if residual is not None else None, weight.contiguous()
         launched = [] if key is not None else None
         self._run_rows(op, plan, xc, out, rc, residual_out, wc, T, H, eps, norm=True, gemma=gemma,
                        quant=launch_quant, record=launched)
@@ -470,8 +420,8 @@ class Communicator:
         if entry is not None and not self._closed:
             return call_cache.gather_hit(self, entry, x)
         self._check_open(op)
-        self._check_tensor(op, "x", x)
-        dim = self._check_dim(op, x, dim)
+        validate.check_tensor(op, "x", x, self.device)
+        dim = validate.check_dim(op, x, dim)
         return self._gather(op, x, dim, (tuple(x.shape), dim), key)
 
     def _gather(self, op: str, x: torch.Tensor, dim: int, call: tuple, key=None) -> torch.Tensor:
@@ -493,8 +443,6 @@ class Communicator:
         as_bytes = x.dtype not in dispatch.KERNEL_DTYPES  # a copy: move the bytes (integers, FP8, bool, float64)
         if as_bytes:
             n *= x.element_size()  # from here on, n counts what the kernel moves
-        if plan.algorithm != "fallback" and W * n > MAX_INDEXED_ELEMS:
-            plan = dispatch.Plan("fallback", "output of 2**31 elements (bytes, for dtypes moved as bytes) or more")
         if plan.algorithm == "fallback":
             out.copy_(reference.all_gather_reference(x, self.group))
             return out
@@ -503,7 +451,7 @@ class Communicator:
         src, dst = x.contiguous(), out  # addressed flat
         if as_bytes:
             src, dst = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
-        width = self._all_reduce_width(n, src.element_size())
+        width = dispatch.all_reduce_width(n, src.element_size(), self.workspace)
         cfg = dispatch.row_config(width, self.workspace.max_programs)
         n_rows = -(-n // width)
         per_launch = self.workspace.rows_per_launch(width, src.element_size())
@@ -547,9 +495,9 @@ class Communicator:
         if entry is not None and not self._closed:
             return call_cache.scatter_hit(self, entry, x)
         self._check_open(op)
-        self._check_tensor(op, "x", x)
-        self._check_summable(op, x)
-        dim = self._check_dim(op, x, dim)
+        validate.check_tensor(op, "x", x, self.device)
+        validate.check_summable(op, x)
+        dim = validate.check_dim(op, x, dim)
         return self._scatter(op, x, dim, (tuple(x.shape), dim), key)
 
     def _scatter(self, op: str, x: torch.Tensor, dim: int, call: tuple, key=None) -> torch.Tensor:
@@ -561,21 +509,18 @@ class Communicator:
         out = torch.empty((length, *x.shape[1:]), dtype=x.dtype, device=x.device)
         if x.numel() == 0:
             return out
-        if self._integer_through_kernels(x.dtype):
-            out.copy_(self._integer_sum(op, x, call).view(x.shape)[start:start + length])
-            return out
         H = x.numel() // T
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
-        if plan.algorithm != "fallback" and H < MIN_SCATTER_ROW and x.numel() * self.world_size <= MAX_INDEXED_ELEMS:
+        if plan.algorithm == "push" and dispatch.is_integer(x.dtype):
+            out.copy_(self._integer_sum(op, x, call).view(x.shape)[start:start + length])
+            return out
+        if plan.algorithm == "push":
             # Narrow rows: every rank's input through the all-gather kernel, then the contract's
             # rank-order sum here (the same bits; and a peer making another call raises, as in a kernel).
             g = self._gather(op, x.reshape(-1), 0, call).view(self.world_size, -1)
             s = reference.reduce_in_rank_order(list(g.unbind(0))).view(x.shape)
             out.copy_(s[start:start + length])
             return out
-        if plan.algorithm != "fallback" and (H < MIN_SCATTER_ROW or x.numel() > MAX_INDEXED_ELEMS):
-            plan = dispatch.Plan("fallback", f"rows of {H} elements" if H < MIN_SCATTER_ROW
-                                 else "2**31 elements or more")
         if plan.algorithm == "fallback":
             out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
@@ -586,15 +531,6 @@ class Communicator:
         if launched is not None:
             self._remember(key, launched, (xc, out), (tuple(out.shape),))
         return out
-
-    def _integer_through_kernels(self, dtype: torch.dtype) -> bool:
-        """Whether sums of ``dtype`` are integer sums through the all-gather kernel (a copy of the bytes,
-        with the flags' bounded waits and call signatures) and an exact sum here, rather than
-        ``torch.distributed``: a peer that makes another call then raises instead of leaving this rank
-        blocked in the backend, and every integer dtype works (gloo has no int16, uint16, uint32 or
-        uint64)."""
-        return (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
-                and self.uses_kernels and self.algorithm != "fallback")
 
     def _integer_sum(self, op: str, x: torch.Tensor, call: tuple) -> torch.Tensor:
         """Flat sum over the ranks of integer ``x``: every rank's input through the all-gather kernel
@@ -626,21 +562,13 @@ class Communicator:
             self.algorithm = before
 
     # -- plans and launches -------------------------------------------------------------------------
-    def _all_reduce_width(self, n: int, element_size: int) -> int:
-        """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``, or less
-        so that one row fits a slot of a small workspace (then the call runs in chunks instead of
-        falling back)."""
-        width = max(1, min(n, dispatch.ALL_REDUCE_ROW))
-        if self.workspace is not None:
-            width = min(width, max(16, self.workspace.half_slot_elems(element_size) // 16 * 16))
-        return width
-
     def plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
         """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank).
 
         ``hidden`` is the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for
         ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
-        ``_all_reduce_width``).
+        :func:`tpcomm.dispatch.all_reduce_width`). :func:`tpcomm.dispatch.plan_call` decides; plans are
+        cached per shape.
         """
         key = (op, nbytes, hidden, dtype, self.algorithm)
         plan = self._plans.get(key)
@@ -652,27 +580,8 @@ class Communicator:
 
     def _make_plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
         """:meth:`plan` without the cache."""
-        if op in ("all_reduce", "reduce_scatter") and self._integer_through_kernels(dtype):
-            return dispatch.Plan("push", "integer sum: every rank's input through the all-gather kernel, "
-                                         "added here in int64 (exact)")
-        es = _elsize(dtype)
-        if op in ("all_reduce", "all_gather"):
-            hidden = self._all_reduce_width(max(1, nbytes // es), es)
-        plan = dispatch.choose(op, self.world_size, nbytes, hidden, dtype, self.algorithm,
-                               kernels_available=self.workspace is not None, table=self.table)
-        if plan.algorithm == "fallback":
-            return plan
-        ws = self.workspace
-        if plan.algorithm == "two_shot" and (ws.share_rows_per_launch(hidden, es) < 1
-                                             or nbytes // es > MAX_INDEXED_ELEMS):
-            if op == "reduce_scatter":
-                why = (f"a row of {hidden} elements exceeds half of max_bytes"
-                       if ws.share_rows_per_launch(hidden, es) < 1 else "2**31 elements or more")
-                return dispatch.Plan("fallback", why)
-            plan = dispatch.Plan("one_shot", "two-shot cannot carry this message; " + plan.reason)
-        if ws.rows_per_launch(hidden, es) < 1:
-            return dispatch.Plan("fallback", f"a row of {hidden} elements exceeds max_bytes")
-        return plan
+        return dispatch.plan_call(op, self.world_size, nbytes, hidden, dtype, self.algorithm, self.table,
+                                  self.workspace)
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
                   quant=None, call=(), record=None):
@@ -821,26 +730,6 @@ class Communicator:
         if self._closed:
             raise RuntimeError(f"{op}: this Communicator is closed")
 
-    def _check_summable(self, op: str, x: torch.Tensor) -> None:
-        if x.dtype not in dispatch.KERNEL_DTYPES and (x.is_floating_point() or x.is_complex()
-                                                      or x.dtype == torch.bool):
-            raise TypeError(f"{op}: x has dtype {x.dtype}; expected bfloat16, float16, float32 or an "
-                            "integer dtype")
-
-    def _check_dim(self, op: str, x: torch.Tensor, dim) -> int:
-        if x.dim() < 1:
-            raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-            raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
-                             f"{tuple(x.shape)}, got {dim!r}")
-        return dim % x.dim()
-
-    def _check_tensor(self, op: str, name: str, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but this communicator runs on {self.device}")
-
     @property
     def uses_kernels(self) -> bool:
         """True when calls run tpcomm's kernels (False: every call falls back to torch.distributed)."""
@@ -887,6 +776,3 @@ def _quant_fields(quant) -> tuple:
     no byte, so they may differ)."""
     return (quant.mode, str(quant.fp8), quant.group) if quant is not None else (0,)
 
-
-def _elsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize

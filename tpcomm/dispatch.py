@@ -282,3 +282,79 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
     if nbytes >= cross.two_shot_min_bytes:
         return Plan("two_shot", f"message of at least {cross.two_shot_min_bytes} bytes ({source})")
     return Plan("one_shot", f"message under {cross.two_shot_min_bytes} bytes ({source})")
+
+
+#: Two-shot and all-gather index the whole tensor (two-shot's shares span it): larger ones use one-shot
+#: chunks (all-reduce) or the fallback (all-gather, reduce-scatter).
+MAX_INDEXED_ELEMS = (1 << 31) - 1
+#: Rows narrower than this many elements make reduce-scatter's kernel mostly idle lanes: an all-gather
+#: through the kernel and the rank-order sum on this rank are used instead.
+MIN_SCATTER_ROW = 16
+
+
+def is_integer(dtype: torch.dtype) -> bool:
+    """Integer dtypes (their sums are exact int64 sums of gathered inputs)."""
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def all_reduce_width(n: int, element_size: int, workspace=None) -> int:
+    """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``, or less so
+    that one row fits a slot of a small ``workspace`` (then the call runs in chunks instead of falling
+    back)."""
+    width = max(1, min(n, ALL_REDUCE_ROW))
+    if workspace is not None:
+        width = min(width, max(16, workspace.half_slot_elems(element_size) // 16 * 16))
+    return width
+
+
+def plan_call(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtype, forced: str = "auto",
+              table: CrossoverTable | None = None, workspace=None) -> Plan:
+    """The plan of one call of a communicator: :func:`choose`, then the limits of its ``workspace``
+    (None: the group has none, so every call falls back).
+
+    Beyond :func:`choose`:
+
+    * integer ``all_reduce`` / ``reduce_scatter`` with a workspace: ``push`` (every rank's input through
+      the all-gather kernel, summed here in int64);
+    * ``reduce_scatter`` of rows narrower than ``MIN_SCATTER_ROW``: ``push`` too (gathered, then the
+      rank-order sum here), or the fallback when the gathered tensor would reach 2**31 elements;
+    * two-shot that cannot carry the message (a row larger than half a slot, or 2**31 elements or more):
+      one-shot for the all-reduce and the fused op, the fallback for reduce-scatter;
+    * an all-gather whose output reaches 2**31 elements (bytes, for dtypes moved as bytes), or a row
+      larger than a slot: the fallback.
+
+    Args:
+        op, world_size, nbytes, dtype, forced, table: as :func:`choose`.
+        hidden: the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for ``all_reduce`` and
+            ``all_gather`` it is ignored (the width is :func:`all_reduce_width` of the message).
+        workspace: the communicator's :class:`~tpcomm.workspace.Workspace` (its slot sizes), or None.
+    """
+    ws = workspace
+    if op in ("all_reduce", "reduce_scatter") and is_integer(dtype) and ws is not None and forced != "fallback":
+        return Plan("push", "integer sum: every rank's input through the all-gather kernel, added here in int64 "
+                            "(exact)")
+    es = dtype.itemsize
+    if op in ("all_reduce", "all_gather"):
+        hidden = all_reduce_width(max(1, nbytes // es), es, ws)
+    plan = choose(op, world_size, nbytes, hidden, dtype, forced, kernels_available=ws is not None, table=table)
+    if plan.algorithm == "fallback":
+        return plan
+    numel = nbytes // es
+    if op == "all_gather":
+        moved = numel if dtype in KERNEL_DTYPES else nbytes
+        if world_size * moved > MAX_INDEXED_ELEMS:
+            return Plan("fallback", "output of 2**31 elements (bytes, for dtypes moved as bytes) or more")
+    if op == "reduce_scatter" and hidden < MIN_SCATTER_ROW:
+        if numel * world_size <= MAX_INDEXED_ELEMS:
+            return Plan("push", f"rows of {hidden} elements (under {MIN_SCATTER_ROW}): every rank's input "
+                                "through the all-gather kernel, summed here in rank order")
+        return Plan("fallback", f"rows of {hidden} elements")
+    if plan.algorithm == "two_shot" and (ws.share_rows_per_launch(hidden, es) < 1 or numel > MAX_INDEXED_ELEMS):
+        if op == "reduce_scatter":
+            why = (f"a row of {hidden} elements exceeds half of max_bytes"
+                   if ws.share_rows_per_launch(hidden, es) < 1 else "2**31 elements or more")
+            return Plan("fallback", why)
+        plan = Plan("one_shot", "two-shot cannot carry this message; " + plan.reason)
+    if ws.rows_per_launch(hidden, es) < 1:
+        return Plan("fallback", f"a row of {hidden} elements exceeds max_bytes")
+    return plan

@@ -12,6 +12,7 @@ import torch
 from . import reference
 from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_TOKEN, QuantOut
 from .quant import DEFAULT_GROUP_SIZE, MAX_GROUP_SIZE, native_fp8
+from .validate import check_fp8_outputs
 
 #: ``quant`` choices of ``fused_add_rmsnorm``.
 QUANT_MODES = ("fp8_per_token", "fp8_per_group")
@@ -84,8 +85,11 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
 
 
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,
-                column_major_scales: bool) -> Fp8Outputs:
-    """Validate the quant arguments of ``op`` for input ``x`` (``(..., H)``) and allocate the outputs.
+                column_major_scales: bool, q_out: torch.Tensor | None = None,
+                scales_out: torch.Tensor | None = None) -> Fp8Outputs:
+    """Validate the quant arguments of ``op`` for input ``x`` (``(..., H)``) and allocate the outputs, or
+    take ``q_out`` / ``scales_out`` where the caller gives them (checked by
+    :func:`tpcomm.validate.check_fp8_outputs` against the layout this call would allocate).
 
     Raises:
         ValueError: ``quant`` or ``fp8_dtype`` is not a supported choice, ``group_size`` is not a power
@@ -99,7 +103,6 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
         raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
     H = x.shape[-1]
     lead = x.shape[:-1]
-    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if quant == "fp8_per_token":
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to quant='fp8_per_group' only")
@@ -107,8 +110,10 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
             raise ValueError(f"{op}: group_size={group_size!r} applies to quant='fp8_per_group' only (per-token "
                              "scales have one group: the row)")
         # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
-        scales = (torch.ones if H == 0 else torch.empty)((*lead, 1), dtype=torch.float32, device=x.device)
-        return Fp8Outputs(q, scales, quant, fp8_dtype, 1, False)
+        scales = _scales(op, x, quant, fp8_dtype, (*lead, 1), False, q_out, scales_out)
+        if H == 0:
+            scales.fill_(1.0)
+        return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, 1, False)
     if isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
         group_size = int(group_size)  # numpy integers too
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE \
@@ -118,10 +123,27 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     if H % group_size:
         raise ValueError(f"{op}: x has H={H} elements per row, not a multiple of group_size={group_size}")
     G = H // group_size
-    if column_major_scales:
-        if x.dim() != 2:
-            raise ValueError(f"{op}: column_major_scales needs a 2-D x (T, H), got shape {tuple(x.shape)}")
-        scales = torch.empty((G, x.shape[0]), dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty((*lead, G), dtype=torch.float32, device=x.device)
-    return Fp8Outputs(q, scales, quant, fp8_dtype, group_size, column_major_scales)
+    if column_major_scales and x.dim() != 2:
+        raise ValueError(f"{op}: column_major_scales needs a 2-D x (T, H), got shape {tuple(x.shape)}")
+    shape = (G, x.shape[0]) if column_major_scales else (*lead, G)
+    scales = _scales(op, x, quant, fp8_dtype, shape, column_major_scales, q_out, scales_out)
+    return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, group_size, column_major_scales)
+
+
+def _q(x: torch.Tensor, fp8_dtype: torch.dtype, q_out: torch.Tensor | None) -> torch.Tensor:
+    return q_out if q_out is not None else torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+
+
+def _scales(op: str, x, quant: str, fp8_dtype, shape: tuple, transposed: bool, q_out, scales_out) -> torch.Tensor:
+    """The scales of a call: ``scales_out`` checked against the layout allocated here (``shape``, its
+    transpose with ``transposed``), or a new tensor of it."""
+    if q_out is None and scales_out is None:
+        scales = torch.empty(shape, dtype=torch.float32, device=x.device)
+        return scales.t() if transposed else scales
+    expected = torch.empty(shape, dtype=torch.float32, device="meta")
+    check_fp8_outputs(op, x, quant, q_out, scales_out, expected.t() if transposed else expected, fp8_dtype,
+                      x.device)
+    if scales_out is not None:
+        return scales_out
+    scales = torch.empty(shape, dtype=torch.float32, device=x.device)
+    return scales.t() if transposed else scales

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import torch
 
 from . import dispatch
-from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator, checked_limits
+from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator
+from .validate import checked_limits
 from .env import read_env
 from .workspace import Workspace, pdl_supported
 

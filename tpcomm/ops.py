@@ -9,15 +9,20 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
     torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
                                           group_size, column_major_scales, emit_unquantized) -> Tensor[]
         # [q, scales] + [residual_out] with a residual + [out] with emit_unquantized
+    torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual?, weight, eps, gemma, out, residual_out?) -> ()
+        # writes out and residual_out; residual_out None: the residual in place
+    torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
+                                              group_size, column_major_scales, q, scales, residual_out?,
+                                              out?) -> ()        # out given: emit_unquantized
     torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
     torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
 
 Each op runs the :class:`~tpcomm.Communicator` method it is named after; it has a fake (meta)
 implementation that gives the output's shape, dtype, device and strides without running anything, so
 ``torch.compile(fullgraph=True)`` traces a model that calls them without graph breaks, and the compiled
-model runs the very same kernels as eager mode (the same bits). Only ``all_reduce_out`` mutates an
-argument (``out``, declared in ``mutates_args``); every other output is a new tensor that aliases no
-input.
+model runs the very same kernels as eager mode (the same bits). The ``*_out`` ops mutate their output
+arguments (declared in ``mutates_args``; the fused ones also the residual, which they update in place when
+no separate ``residual_out`` is passed); every other op's outputs are new tensors that alias no input.
 
 Why a handle: an op's arguments are tensors and plain values, not a Python object, so every
 communicator gets an ``int`` handle at construction (``comm.handle``, :func:`register`) in a registry
@@ -142,6 +147,12 @@ def _signature(op: str, *tensors) -> tuple:
     return (op,) + tuple(_sig(t) for t in tensors)
 
 
+def _unaligned(*outputs) -> tuple:
+    """Signature entries of given outputs that are not 16-byte aligned (none for aligned ones, which
+    compile the same kernels as the new outputs of the allocating op, so one warm-up serves both)."""
+    return tuple(_sig(t) for t in outputs if t is not None and t.data_ptr() % 16)
+
+
 # Explicit schemas: ``int handle`` (not the inferred ``SymInt``), so the handle is never traced as a
 # symbolic value and the fake implementations could look it up.
 @torch.library.custom_op("tpcomm::all_reduce", mutates_args=(), schema="(int handle, Tensor x) -> Tensor")
@@ -214,6 +225,48 @@ def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
     if emit_unquantized:
         extra.append(torch.empty(x.shape, dtype=x.dtype, device=x.device))
     return [outs.q_fp8, outs.scales_view] + extra
+
+
+# Out forms: the caller's tensors receive the outputs. ``residual_out=None`` with a residual means the
+# residual is updated in place (declared mutable for that); a separate residual_out is passed as such.
+@torch.library.custom_op("tpcomm::fused_add_rmsnorm_out", mutates_args=("residual", "out", "residual_out"),
+                         schema="(int handle, Tensor x, Tensor(a!)? residual, Tensor weight, float eps, bool gemma, "
+                                "Tensor(b!) out, Tensor(c!)? residual_out) -> ()")
+def _fused_add_rmsnorm_out_op(handle, x, residual, weight, eps, gemma, out, residual_out) -> None:
+    comm = lookup(handle)
+    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight)
+                       + _unaligned(out, residual_out))
+    comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, out=out,
+                           residual_out=residual if residual_out is None else residual_out)
+
+
+@_fused_add_rmsnorm_out_op.register_fake
+def _(handle, x, residual, weight, eps, gemma, out, residual_out):
+    return None
+
+
+@torch.library.custom_op("tpcomm::fused_add_rmsnorm_fp8_out",
+                         mutates_args=("residual", "q", "scales", "residual_out", "out"),
+                         schema="(int handle, Tensor x, Tensor(a!)? residual, Tensor weight, float eps, bool gemma, "
+                                "str quant, ScalarType fp8_dtype, int group_size, bool column_major_scales, "
+                                "Tensor(b!) q, Tensor(c!) scales, Tensor(d!)? residual_out, Tensor(e!)? out) -> ()")
+def _fused_fp8_out_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+                      q, scales, residual_out, out) -> None:
+    comm = lookup(handle)
+    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
+                                        f"group={group_size}, column_major={column_major_scales}, "
+                                        f"unquantized={out is not None})", x, residual, weight)
+                       + _unaligned(q, scales, residual_out, out))
+    comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype,
+                           group_size=group_size, column_major_scales=column_major_scales,
+                           emit_unquantized=out is not None, out=out, q_out=q, scales_out=scales,
+                           residual_out=residual if residual_out is None else residual_out)
+
+
+@_fused_fp8_out_op.register_fake
+def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales, q, scales,
+      residual_out, out):
+    return None
 
 
 def _lookup_group(op: str, handle: int, rank: int, world_size: int):
@@ -301,7 +354,9 @@ def all_reduce(comm, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
                       fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
-                      column_major_scales: bool = False, emit_unquantized: bool = False):
+                      column_major_scales: bool = False, emit_unquantized: bool = False, *,
+                      out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                      q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None):
     """``comm.fused_add_rmsnorm(...)`` through the op ``tpcomm::fused_add_rmsnorm`` (or
     ``tpcomm::fused_add_rmsnorm_fp8`` with ``quant``): all-reduce ``x``, add ``residual``, RMSNorm, and
     optionally quantise to FP8, in one kernel; the method's bits.
@@ -321,14 +376,21 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         gemma: use ``1 + w`` (Gemma-style norms).
         quant, fp8_dtype, group_size, column_major_scales, emit_unquantized: as
             :meth:`tpcomm.Communicator.fused_add_rmsnorm` (defaults are its defaults).
+        out, residual_out, q_out, scales_out: outputs to write, as the method takes them
+            (``residual_out=residual`` updates the residual in place); with any of them the call goes
+            through ``tpcomm::fused_add_rmsnorm_out`` (or ``fused_add_rmsnorm_fp8_out``), which mutates
+            them, and the others are allocated here.
     Returns:
-        Without ``quant``: ``(out, residual_out)``, new tensors shaped like ``x`` (``residual_out`` None
-        without a residual). With ``quant``: ``(q, scales, residual_out, out)`` (``out`` None unless
+        Without ``quant``: ``(out, residual_out)`` shaped like ``x`` (``residual_out`` None without a
+        residual). With ``quant``: ``(q, scales, residual_out, out)`` (``out`` None unless
         ``emit_unquantized``), as the method returns them.
     Raises:
         As :meth:`tpcomm.Communicator.fused_add_rmsnorm`; ``LookupError`` for an unknown handle.
     """
     handle = handle_of(comm)
+    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
+        return _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
+                          column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out)
     if quant is None:  # the method refuses these options too; the op has no slot for them
         check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized)
         outs = torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual, weight, eps, gemma)
@@ -339,6 +401,36 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
     residual_out = rest.pop(0) if residual is not None else None
     out = rest.pop(0) if emit_unquantized else None
     return q, scales, residual_out, out
+
+
+def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+               emit_unquantized, out, residual_out, q_out, scales_out):
+    """:func:`fused_add_rmsnorm` with given outputs: the missing ones allocated here, as the method would
+    (so the op always has every output to mutate)."""
+    in_place = residual is not None and residual_out is residual
+    if residual_out is None and residual is not None:
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    passed_residual_out = None if in_place else residual_out
+    if quant is None:
+        check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized)
+        if q_out is not None or scales_out is not None:
+            raise ValueError("fused_add_rmsnorm: q_out and scales_out need quant='fp8_per_token' or 'fp8_per_group'")
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual, weight, eps, gemma, out, passed_residual_out)
+        return out, residual_out
+    from .fp8_outputs import fp8_outputs
+
+    if out is None and emit_unquantized:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if q_out is None or scales_out is None:  # the method's own allocation (and validation) of the rest
+        fresh = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales)
+        q_out = fresh.q_fp8 if q_out is None else q_out
+        scales_out = fresh.scales_view if scales_out is None else scales_out
+    torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
+                                               group_size, column_major_scales, q_out, scales_out,
+                                               passed_residual_out, out)
+    return q_out, scales_out, residual_out, out
 
 
 def all_gather(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""The cached path of the ops (``tpcomm.call_cache``, ``tpcomm.kernels.launch``): a repeated call replays
+its first call's launches with the same bits; a call that changes one key field is planned afresh; input
+errors raise on every call; outputs the caller passes; the cache's bound. CPU ranks (2 and 3), plus
+launch-level tests in this process under the interpreter.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import call_cache_cases as cases
+from numerics import Checks
+from tpcomm.kernels.launch import KernelCall, Replay, direct_launch_supported
+
+
+def _assert_all(results):
+    check = Checks()
+    for r, pairs in enumerate(results):
+        for what, ok in pairs:
+            check.that(ok, f"rank {r}: {what}")
+    check.done()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shape,dtype", [((3, 64), "bfloat16"), ((2, 3, 48), "float32"), ((5, 200), "float16")])
+def test_repeated_calls_replay_with_the_first_calls_bits(pools, world, shape, dtype):
+    _assert_all(pools.get(world).run(cases.repeated_calls_case, 11, shape, dtype))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_changed_key_field_is_planned_afresh(pools, world):
+    _assert_all(pools.get(world).run(cases.changed_key_case, 5))
+
+
+def test_input_errors_raise_on_every_call(pool2):
+    """Each bad call raises the same exception twice, right after valid calls of a key that differs from
+    it only in a type or an address."""
+    expected = {"eps=True": "TypeError", "gemma=1": "TypeError", "group_size=True": "ValueError",
+                "dim=True": "ValueError", "residual dtype": "TypeError", "weight shape": "ValueError",
+                "out overlaps x": "ValueError", "residual_out overlaps weight": "ValueError",
+                "closed": "RuntimeError"}
+    check = Checks()
+    for r, found in enumerate(pool2.run(cases.errors_repeat_case)):
+        check.that([name for name, _, _ in found] == list(expected), f"rank {r}: cases {found}")
+        for name, first, second in found:
+            check.that(first is not None and first[0] == expected[name], f"rank {r}: {name}: first call raised {first}")
+            check.that(first == second, f"rank {r}: {name}: second call raised {second}, first {first}")
+    check.done()
+
+
+def test_an_out_that_overlaps_x_in_part_is_still_exact(pool2):
+    _assert_all(pool2.run(cases.partial_overlap_case, 3))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shape,dtype", [((3, 64), "bfloat16"), ((2, 40), "float32")])
+def test_given_outputs_hold_the_allocating_calls_bits(pools, world, shape, dtype):
+    _assert_all(pools.get(world).run(cases.given_outputs_case, 9, shape, dtype))
+
+
+def test_bad_given_outputs_raise_naming_the_argument(pool2):
+    names = {"out of another dtype": "out", "out of another shape": "out", "out not contiguous": "out",
+             "out is x": "out", "out is residual_out": "out", "residual_out without residual": "residual_out",
+             "residual_out is x": "residual_out", "out with quant, no emit": "out",
+             "q_out without quant": "q_out", "q_out of another format": "q_out",
+             "scales_out row-major for column-major": "scales_out", "scales_out of another shape": "scales_out",
+             "scales_out float16": "scales_out"}
+    check = Checks()
+    for r, found in enumerate(pool2.run(cases.bad_outputs_case)):
+        for name, first, second in found:
+            check.that(first is not None and first[0] == "ValueError" and names[name] in first[1],
+                       f"rank {r}: {name}: raised {first}")
+            check.that(first == second, f"rank {r}: {name}: second call raised {second}")
+    check.done()
+
+
+def test_the_cache_is_bounded(pool2):
+    shapes = [(n,) for n in range(8, 80, 8)]
+    for most, ok in pool2.run(cases.bounded_cache_case, 4, shapes):
+        assert most <= 4 and ok
+
+
+def test_a_replay_keeps_no_output_alive(pool2):
+    assert all(pool2.run(cases.replay_holds_no_tensor_case))
+
+
+# -- launches, in this process (the interpreter) ---------------------------------------------------------
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * factor, mask=mask)
+
+
+def test_kernel_call_binds_every_parameter_in_the_kernels_order():
+    x, out = torch.arange(8.0), torch.empty(8)
+    call = KernelCall(_scale_kernel, 2, (x, out), dict(n=8, factor=2.0, BLOCK=4, num_warps=1))
+    assert call.params == (x, out, 8, 2.0, 4) and call.options == {"num_warps": 1}
+    call.launch()
+    assert torch.equal(out, 2 * x)
+    with pytest.raises(TypeError, match="missing parameters"):
+        KernelCall(_scale_kernel, 1, (x, out), dict(n=8, BLOCK=4))
+    with pytest.raises(TypeError, match="given twice"):
+        KernelCall(_scale_kernel, 1, (x, out, 8), dict(n=8, factor=1.0, BLOCK=4))
+
+
+def test_replay_launches_with_the_new_tensors_in_its_slots():
+    x, out = torch.arange(8.0), torch.empty(8)
+    call = KernelCall(_scale_kernel, 2, (x, out), dict(n=8, factor=3.0, BLOCK=4))
+    replay = Replay(call, ((0, 0), (1, 1)), call.launch(), direct=True)
+    assert not replay.direct  # never on the CPU: the interpreter has no compiled launcher
+    x2, out2 = torch.full((8,), 5.0), torch.zeros(8)
+    replay.launch((x2, out2))
+    assert torch.equal(out2, torch.full((8,), 15.0)) and torch.equal(out, 3 * x)
+    assert call.params[0] is x  # the recorded call is unchanged
+
+
+def test_direct_launch_needs_cuda_and_no_interpreter():
+    assert not direct_launch_supported(torch.device("cpu"))
+    assert not direct_launch_supported(torch.device("cuda", 0), enabled=False)
