@@ -1,6 +1,10 @@
 """Host time of one call (the key, the cached launches, the outputs' allocation; on a first call the
 checks and the plan), with every Triton launch replaced by a no-op: what an eager call costs before
-Triton's own launcher and the GPU. Two CPU ranks; torch's ``y.add_(1)`` on the CPU beside them.
+Triton's own launcher and the GPU. Two CPU ranks; torch's ``y.add_(1)`` on the CPU beside them. Each
+number is the mean of the fastest of ``ROUNDS`` rounds, interleaved over the ops (µs per call, rank 0 / rank 1; the ranks take turns, so
+they do not share the cores); two columns: cached launches
+through ``kernel[grid]`` (the interpreter's path) and through the compiled kernel's launcher (the path
+of CUDA, the launcher itself a no-op here).
 With ``--device cuda`` (2 GPUs): the real kernels, the host time per call (issuing ``calls`` calls, then
 one synchronize) and a cProfile of rank 0's calls, sorted by own time, written to ``--out``.
 
@@ -14,8 +18,13 @@ import pstats
 import time
 
 import torch
+import torch.distributed as dist
 
 from tpcomm.launch import launch
+
+
+#: Rounds; each op runs ``calls / ROUNDS`` calls in every round, and its time is its fastest round's mean.
+ROUNDS = 40
 
 
 def _no_kernel(self, grid):
@@ -29,12 +38,9 @@ def _no_launcher(*args):
 def _replay_as_on_cuda(comm) -> None:
     """Make every cached launch of ``comm`` take the path a CUDA replay takes (pointers as addresses, the
     compiled kernel's launcher called with every parameter), with that launcher a no-op."""
-    from triton import knobs
-
     for entry in comm._calls._entries.values():
         for replay in entry.replays:
-            replay.direct, replay._run, replay._function, replay._meta = True, _no_launcher, 0, None
-            replay._hooks = knobs.runtime
+            replay.bind_launcher(_no_launcher, 0, None)
         entry.direct = True
 
 
@@ -64,13 +70,21 @@ def body(rank, world, calls):
         for mode in ("interpreter", "cuda path"):
             if mode == "cuda path":
                 _replay_as_on_cuda(comm)
-            for name, f in ops.items():
+            for f in ops.values():
                 for _ in range(20):
                     f()
-                t = time.perf_counter()
-                for _ in range(calls):
-                    f()
-                res[name, mode] = (time.perf_counter() - t) / calls * 1e6
+            best = dict.fromkeys(ops, float("inf"))
+            for turn in range(world):  # one rank at a time (no-op launches wait for no peer)
+                if turn == rank:
+                    for _ in range(ROUNDS):  # short rounds, every op in each: the machine's speed drifts
+                        for name, f in ops.items():
+                            t = time.perf_counter()
+                            for _ in range(calls // ROUNDS):
+                                f()
+                            best[name] = min(best[name], (time.perf_counter() - t) / (calls // ROUNDS) * 1e6)
+                dist.barrier()
+            for name in ops:
+                res[name, mode] = best[name]
     finally:
         InterpretedFunction.__getitem__ = saved
     comm.close()
@@ -126,7 +140,11 @@ if __name__ == "__main__":
                                              for r, o in enumerate(out)))
     else:
         out = launch(body, 2, "cpu", args=(a.calls,))
-        print(f"{'us per call':22s} {'kernel[grid] (interpreter)':>28s} {'compiled launcher (as on CUDA)':>32s}")
+        modes = (("interpreter", "kernel[grid] (interpreter)"), ("cuda path", "compiled launcher (as on CUDA)"))
+        print(f"{'us per call, rank 0 / 1':24s}" + "".join(f"{title:>34s}" for _, title in modes))
         for name in dict.fromkeys(k[0] for k in out[0]):
-            print(f"{name:22s} " + "".join(f"{' / '.join(f'{o[name, mode]:5.1f}' for o in out):>{w}s}"
-                                           for mode, w in (("interpreter", 28), ("cuda path", 32))))
+            cells = []
+            for mode, _ in modes:  # with the ratio to torch's add_ of the same rank and mode
+                cells.append(" / ".join(f"{o[name, mode]:5.1f} ({o[name, mode] / o['torch add_ T=1', mode]:.2f}x)"
+                                        for o in out))
+            print(f"{name:24s}" + "".join(f"{c:>34s}" for c in cells))

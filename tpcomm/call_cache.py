@@ -22,39 +22,44 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.launch import KernelCall, Replay
+from .kernels.launch import Replay
 from .validate import overlapping
 
 #: Keys a communicator remembers; the oldest goes first.
 MAX_ENTRIES = 512
 
 _Tensor = torch.Tensor
-_CONTIGUOUS = torch.contiguous_format
+_E4M3 = torch.float8_e4m3fn
 
 
-def _tensor_key(t) -> tuple | None:
-    """``(shape, dtype, strides, device)`` of a plain tensor, or None for anything else."""
-    if type(t) is not _Tensor and type(t) is not torch.nn.Parameter:
-        return None
-    return t.shape, t.dtype, t.stride(), t.device
+def new_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new contiguous tensor of ``x``'s shape (row-major strides, whatever ``x``'s are)."""
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+_NEW = torch.empty_strided
 
 
 class CachedCall:
-    """The recorded launches of one key and what its outputs look like.
+    """The recorded launches of one key and the layout of its new outputs.
 
     Attributes:
         replays: the launches, in order.
         direct: every replay launches through the compiled kernel's launcher (then pointer slots may hold
             any tensor with the right address, e.g. FP8 outputs as they are returned).
-        spec: the op's own allocation facts (see the ``*_hit`` functions).
+        spec: the op's own facts (see the ``*_hit`` functions).
+        outputs: per output the op allocates, ``(shape, strides, dtype, device)`` of the first call's
+            tensor (``torch.empty_strided`` makes the same), or None where the caller passed it or the
+            call has none.
     """
 
-    __slots__ = ("replays", "direct", "spec")
+    __slots__ = ("replays", "direct", "spec", "outputs")
 
-    def __init__(self, replays: tuple, spec: tuple):
+    def __init__(self, replays: tuple, spec: tuple, outputs: tuple):
         self.replays = replays
         self.direct = all(r.direct for r in replays)
         self.spec = spec
+        self.outputs = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs)
 
 
 class CallCache:
@@ -104,69 +109,78 @@ def record(launched: list, tensors: tuple, constants: tuple, direct: bool) -> tu
 
 
 # -- keys -------------------------------------------------------------------------------------------
+# Keys are flat tuples (hashing and comparing nested ones cost about a µs more on the hit path). A tensor
+# contributes (shape, dtype, strides, device); None contributes None.
+_PARAMETER = torch.nn.Parameter
+
+
+def _plain(*tensors) -> bool:
+    """Whether every non-None argument is a plain tensor or a Parameter (subclasses take the full path)."""
+    for t in tensors:
+        if t is not None and type(t) is not _Tensor and type(t) is not _PARAMETER:
+            return False
+    return True
+
+
 def alignment(*tensors) -> int:
-    """One bit per tensor: whether its address is a multiple of 16 bytes (Triton specialises pointer
-    parameters on it, so a direct replay must see the same pattern)."""
-    bits = 0
-    for k, t in enumerate(tensors):
-        if t is not None and not t.data_ptr() & 15:
-            bits |= 1 << k
-    return bits
+    """0 when every tensor's address is a multiple of 16 bytes (Triton specialises pointer parameters on
+    it, so a direct replay must see the same pattern), else one bit per misaligned tensor, plus 1."""
+    ptrs = [t.data_ptr() for t in tensors if t is not None]
+    if not any(p & 15 for p in ptrs):
+        return 0
+    return 1 + sum(2 << k for k, t in enumerate(tensors) if t is not None and t.data_ptr() & 15)
 
 
 def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
-    kx = _tensor_key(x)
-    if kx is None:
+    if not _plain(x, out):
         return None
-    if out is None:
-        ko = None
-    elif out is x:
-        ko = "x"
-    else:
-        ko = _tensor_key(out)
-        if ko is None:
-            return None
-    return ("all_reduce", kx, ko, algorithm, alignment(x, out) if cuda else 0)
-
-
-def _optional_key(t):
-    """``_tensor_key`` of an optional tensor: None for None, False for a tensor that has no key."""
-    if t is None:
-        return None
-    return _tensor_key(t) or False
+    if out is None or out is x:
+        return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out is x, algorithm,
+                alignment(x) if cuda else 0)
+    return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out.shape, out.dtype, out.stride(), out.device,
+            algorithm, alignment(x, out) if cuda else 0)
 
 
 def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
               emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool) -> tuple | None:
-    kx, kw, kr = _tensor_key(x), _tensor_key(weight), _optional_key(residual)
-    if kx is None or kw is None or kr is False:
+    if not _plain(x, residual, weight):
         return None
-    given = None
-    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
-        given = (_optional_key(out), "residual" if residual_out is residual and residual is not None
-                 else _optional_key(residual_out), _optional_key(q_out), _optional_key(scales_out))
-        if False in given:
-            return None
-    return ("fused_add_rmsnorm", kx, kr, kw, eps.__class__, eps, gemma.__class__, gemma, quant, fp8_dtype,
-            group_size.__class__, group_size, column_major_scales.__class__, column_major_scales,
-            emit_unquantized.__class__, emit_unquantized, given, algorithm,
-            alignment(x, residual, weight, out, residual_out, q_out, scales_out) if cuda else 0)
+    key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.stride(), weight.device,
+           eps.__class__, eps, gemma.__class__, gemma, quant, algorithm)
+    key += (None,) if residual is None else (residual.shape, residual.dtype, residual.stride(), residual.device)
+    if quant is not None or fp8_dtype is not _E4M3 or group_size.__class__ is not int or group_size != 128 \
+            or column_major_scales is not False or emit_unquantized is not False:
+        key += ("fp8", fp8_dtype, group_size.__class__, group_size, column_major_scales.__class__, column_major_scales,
+                emit_unquantized.__class__, emit_unquantized)
+    if out is None and residual_out is None and q_out is None and scales_out is None:
+        return key + (alignment(x, residual, weight) if cuda else 0,)
+    if not _plain(out, residual_out, q_out, scales_out):
+        return None
+    key += ("outputs",)
+    for t in (out, q_out, scales_out):
+        key += (None,) if t is None else (t.shape, t.dtype, t.stride(), t.device)
+    if residual_out is not None and residual_out is residual:
+        key += ("residual in place",)
+    else:
+        key += (None,) if residual_out is None else (residual_out.shape, residual_out.dtype, residual_out.stride(),
+                                                     residual_out.device)
+    return key + (alignment(x, residual, weight, out, residual_out, q_out, scales_out) if cuda else 0,)
 
 
 def dim_key(op: str, x, dim, algorithm: str, cuda: bool) -> tuple | None:
     """Key of ``all_gather`` / ``reduce_scatter``."""
-    kx = _tensor_key(x)
-    if kx is None:
+    if not _plain(x):
         return None
-    return (op, kx, dim.__class__, dim, algorithm, alignment(x) if cuda else 0)
+    return (op, x.shape, x.dtype, x.stride(), x.device, dim.__class__, dim, algorithm, alignment(x) if cuda else 0)
 
 
 # -- hits -------------------------------------------------------------------------------------------
 def all_reduce_hit(comm, entry: CachedCall, x, out):
-    """A repeated ``all_reduce`` (``entry.spec`` is unused), or None: take the full path (an ``out`` that
-    overlaps ``x`` in part, which the full path reduces from a copy)."""
+    """A repeated ``all_reduce``, or None: take the full path (an ``out`` that overlaps ``x`` in part,
+    which the full path reduces from a copy)."""
     if out is None:
-        out = torch.empty_like(x, memory_format=_CONTIGUOUS)
+        o = entry.outputs[0]
+        out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
     elif out is not x and 0 < abs(out.data_ptr() - x.data_ptr()) < x.numel() * x.element_size():
         return None
     comm._replay("all_reduce", entry, (x, out))
@@ -175,44 +189,38 @@ def all_reduce_hit(comm, entry: CachedCall, x, out):
 
 def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out):
     """A repeated ``fused_add_rmsnorm``, or None: take the full path (a given output overlaps an input or
-    another output). ``entry.spec``: ``(quant, fp8_dtype, scale_shape, column_major, emit_unquantized)``,
-    ``quant`` None without FP8 output."""
-    quant, fp8_dtype, scale_shape, column_major, emit = entry.spec
+    another output). ``entry.spec``: ``(quant, emit_unquantized)``; ``entry.outputs``: out,
+    residual_out, q, scales."""
     if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
         if overlapping((out, residual_out, q_out, scales_out), (x, residual, weight), ((1, 1),)) is not None:
             return None
+    o, ro, qo, so = entry.outputs
     if out is None:
-        out = torch.empty_like(x, memory_format=_CONTIGUOUS)
-    if residual_out is None and residual is not None:
-        residual_out = torch.empty_like(x, memory_format=_CONTIGUOUS)
+        out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
+    if ro is not None and residual_out is None:
+        residual_out = _NEW(ro[0], ro[1], dtype=ro[2], device=ro[3])
+    quant, emit = entry.spec
     if quant is None:
         comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None))
         return out, residual_out
-    q = q_out if q_out is not None else torch.empty_like(x, dtype=fp8_dtype, memory_format=_CONTIGUOUS)
-    if scales_out is not None:
-        scales = scales_out
-    elif column_major:
-        scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
-    q_arg = q if entry.direct else q.view(torch.uint8)
-    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q_arg, scales))
+    q = q_out if qo is None else _NEW(qo[0], qo[1], dtype=qo[2], device=qo[3])
+    scales = scales_out if so is None else _NEW(so[0], so[1], dtype=so[2], device=so[3])
+    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out,
+                                              q if entry.direct else q.view(torch.uint8), scales))
     return q, scales, residual_out, (out if emit else None)
 
 
 def gather_hit(comm, entry: CachedCall, x):
-    """A repeated ``all_gather`` along dim 0. ``entry.spec``: ``(out_shape,)``."""
-    out = torch.empty(entry.spec[0], dtype=x.dtype, device=x.device)
+    """A repeated ``all_gather`` along dim 0."""
+    o = entry.outputs[0]
+    out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
     comm._replay("all_gather", entry, (x, out))
     return out
 
 
 def scatter_hit(comm, entry: CachedCall, x):
-    """A repeated ``reduce_scatter`` along dim 0. ``entry.spec``: ``(out_shape,)``."""
-    out = torch.empty(entry.spec[0], dtype=x.dtype, device=x.device)
+    """A repeated ``reduce_scatter`` along dim 0."""
+    o = entry.outputs[0]
+    out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
     comm._replay("reduce_scatter", entry, (x, out))
     return out
-
-
-__all__ = ["CachedCall", "CallCache", "KernelCall", "MAX_ENTRIES", "record", "all_reduce_key", "fused_key",
-           "dim_key", "all_reduce_hit", "fused_hit", "gather_hit", "scatter_hit"]

@@ -241,8 +241,9 @@ class Communicator:
         validate.check_tensor(op, "x", x, self.device)
         validate.check_summable(op, x)
         overlap = False
+        given = out is not None
         if out is None:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            out = call_cache.new_like(x)
         else:
             validate.check_all_reduce_out(op, x, out, self.device)
             overlap = x.is_contiguous() and out.is_contiguous() and validate.partly_overlaps(out, x)
@@ -267,7 +268,7 @@ class Communicator:
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         elif launched is not None:
-            self._remember(key, launched, (src, dst), ())
+            self._remember(key, launched, (src, dst), (), (None if given else out,))
         return out
 
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -349,9 +350,9 @@ class Communicator:
             validate.check_fp8_outputs(op, x, None, q_out, scales_out, None, fp8_dtype, self.device)
         given = (out, residual_out) + ((q_out, scales_out) if qout is not None else ())
         if out is None:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            out = call_cache.new_like(x)
         if residual_out is None and residual is not None:
-            residual_out = torch.empty_like(out)
+            residual_out = call_cache.new_like(x)
         outputs = (out, residual_out) + ((qout.q_fp8, qout.scales_view) if qout is not None else ())
         # the kernels read x, residual and weight in place: a given output may not share their bytes
         # (residual_out may be residual itself)
@@ -387,13 +388,10 @@ class Communicator:
         self._run_rows(op, plan, xc, out, rc, residual_out, wc, T, H, eps, norm=True, gemma=gemma,
                        quant=launch_quant, record=launched)
         if launched is not None:
-            if qout is None:
-                spec = (None, None, None, False, False)
-            else:
-                shape = qout.scales_view.t().shape if column_major_scales else qout.scales_view.shape
-                spec = (quant, fp8_dtype, tuple(shape), column_major_scales, emit_unquantized)
+            new = [None if g is not None else t for t, g in zip(outputs, given)]
             self._remember(key, launched, (xc, rc, wc, out, residual_out, launch_quant and launch_quant.q,
-                                           launch_quant and launch_quant.scales), spec)
+                                           launch_quant and launch_quant.scales), (quant, emit_unquantized),
+                           (new + [None, None])[:4])
         return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -464,7 +462,7 @@ class Communicator:
                 piece, into = (src, dst) if a == 0 and b == n else (src.view(-1)[a:b], dst.view(-1)[a:])
                 self._launch(all_gather_call(piece, into, n, self.workspace, r1 - r0, width, cfg, sig))
         if launched is not None:
-            self._remember(key, launched, (src, dst), (tuple(out.shape),))
+            self._remember(key, launched, (src, dst), (), (out,))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -529,7 +527,7 @@ class Communicator:
         self._run_two_shot(op, xc, out, None, None, None, T, H, 0.0, norm=False, gemma=False, scatter_only=True,
                            call=call, record=launched)
         if launched is not None:
-            self._remember(key, launched, (xc, out), (tuple(out.shape),))
+            self._remember(key, launched, (xc, out), (), (out,))
         return out
 
     def _integer_sum(self, op: str, x: torch.Tensor, call: tuple) -> torch.Tensor:
@@ -643,26 +641,27 @@ class Communicator:
         if self._record is not None:
             self._record.append((call, compiled))
 
-    def _remember(self, key, launched: list, tensors: tuple, spec: tuple) -> None:
+    def _remember(self, key, launched: list, tensors: tuple, spec: tuple, outputs: tuple) -> None:
         """Cache the launches ``launched`` of the call with ``key`` (:mod:`tpcomm.call_cache`), each tensor
-        parameter a slot of ``tensors``; a call whose launches take other tensors is not cached."""
+        parameter a slot of ``tensors``; ``outputs``: the tensors the call allocated (None where given),
+        whose layouts a repeated call allocates. A call whose launches take other tensors is not cached."""
         ws = self.workspace
         replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
                                                         ws.state, ws.err), self._direct)
         if replays is not None:
-            self._calls.put(key, call_cache.CachedCall(replays, spec))
+            self._calls.put(key, call_cache.CachedCall(replays, spec, outputs))
 
     def _replay(self, op: str, entry, tensors: tuple) -> None:
         """Launch a cached call's replays with ``tensors`` (:meth:`_launching`'s checks and ordering, without
         its generator)."""
-        ws = self.workspace
+        err = self.workspace._err_words  # the error words (Workspace.error_code without the call)
         with self._lock:
-            if ws.error_code():
+            if err[0]:
                 self.check(op)
             stream = self._order_streams() if self._cuda else None
             for replay in entry.replays:
                 replay.launch(tensors, stream)
-            if ws.error_code():
+            if err[0]:
                 self.check(op)
 
     def _sign(self, op: str, *fields) -> int:

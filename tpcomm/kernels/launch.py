@@ -73,7 +73,7 @@ def direct_launch_supported(device: torch.device, enabled: bool = True) -> bool:
     if not enabled or device.type != "cuda" or interpreter_enabled():
         return False
     try:
-        from triton import knobs  # noqa: F401
+        from triton import knobs  # noqa: F401  (both are what _same_kernel and Replay use)
         from triton.runtime.jit import compute_cache_key  # noqa: F401
     except ImportError:
         return False
@@ -116,7 +116,8 @@ class Replay:
         direct: use the compiled kernel's launcher (:func:`direct_launch_supported` for the device).
     """
 
-    __slots__ = ("call", "slots", "compiled", "direct", "_params", "_function", "_run", "_meta", "_hooks")
+    __slots__ = ("call", "slots", "compiled", "direct", "_params", "_function", "_run", "_meta", "_hooks",
+                 "_sources", "_targets")
 
     def __init__(self, call: KernelCall, slots: tuple, compiled, direct: bool):
         self.call = call
@@ -124,23 +125,33 @@ class Replay:
         self.compiled = compiled
         self._params = list(call.params)
         self.direct = bool(direct and compiled is not None and _same_kernel(call, compiled))
-        if self.direct:
-            from triton import knobs
+        if self.direct:  # compiled.run loads the module on first use (done by the recording launch)
+            self.bind_launcher(compiled.run, compiled.function, compiled.packed_metadata)
 
-            self._hooks = knobs.runtime  # launch_enter_hook / launch_exit_hook: a profiler's
-            self._run = compiled.run  # loads the module on first use (done by the recording launch)
-            self._function = compiled.function
-            self._meta = compiled.packed_metadata
-            for i, _ in slots:  # pointers go as device addresses
-                self._params[i] = 0
+    def bind_launcher(self, run, function, packed_metadata) -> None:
+        """Replay through ``run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
+        enter_hook, exit_hook, *params)`` (a compiled kernel's launcher and its arguments), pointer
+        parameters as addresses."""
+        from triton import knobs
+
+        self.direct = True
+        self._hooks = knobs.runtime  # launch_enter_hook / launch_exit_hook: a profiler's
+        self._run, self._function, self._meta = run, function, packed_metadata
+        for i, _ in self.slots:
+            self._params[i] = 0
+        # each tensor's address read once, however many parameters take it
+        self._sources = tuple(dict.fromkeys(j for _, j in self.slots))
+        self._targets = tuple(tuple(i for i, j in self.slots if j == src) for src in self._sources)
 
     def launch(self, tensors: tuple, stream: int | None = None) -> None:
         """Launch with ``tensors[j]`` in each slot ``(i, j)``. ``stream``: the raw CUDA stream
         (``torch._C._cuda_getCurrentRawStream``), needed by a direct replay."""
         if self.direct and self._hooks.launch_enter_hook is None and self._hooks.launch_exit_hook is None:
             params = self._params  # integers only: no tensor stays referenced
-            for i, j in self.slots:
-                params[i] = tensors[j].data_ptr()
+            for j, targets in zip(self._sources, self._targets):
+                ptr = tensors[j].data_ptr()
+                for i in targets:
+                    params[i] = ptr
             self._run(self.call.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
             return
         params = list(self.call.params)  # a copy: the replay keeps no reference to this call's tensors
