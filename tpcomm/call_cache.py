@@ -195,7 +195,7 @@ def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q
         if overlapping((out, residual_out, q_out, scales_out), (x, residual, weight), ((1, 1),)) is not None:
             return None
     o, ro, qo, so = entry.outputs
-    if out is None:
+    if out is None and o is not None:  # None: FP8 bytes only, out not written (the kernels take residual_out)
         out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
     if ro is not None and residual_out is None:
         residual_out = _NEW(ro[0], ro[1], dtype=ro[2], device=ro[3])

@@ -348,12 +348,18 @@ class Communicator:
             qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out)
         else:
             validate.check_fp8_outputs(op, x, None, q_out, scales_out, None, fp8_dtype, self.device)
+        plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype) if x.numel() else None
+        # Only FP8 asked for, with a residual, from a kernel that stages nothing in out (one-shot, Lamport):
+        # out is not written, and the kernels take residual_out as their out pointer (for its dtype).
+        no_out = (qout is not None and not emit_unquantized and residual is not None and plan is not None
+                  and plan.algorithm in ("one_shot", "lamport"))
         given = (out, residual_out) + ((q_out, scales_out) if qout is not None else ())
-        if out is None:
-            out = call_cache.new_like(x)
         if residual_out is None and residual is not None:
             residual_out = call_cache.new_like(x)
-        outputs = (out, residual_out) + ((qout.q_fp8, qout.scales_view) if qout is not None else ())
+        if out is None:
+            out = residual_out if no_out else call_cache.new_like(x)
+        outputs = (None if no_out else out, residual_out) + ((qout.q_fp8, qout.scales_view) if qout is not None
+                                                             else ())
         # the kernels read x, residual and weight in place: a given output may not share their bytes
         # (residual_out may be residual itself)
         xc, rc, wc = x.contiguous(), residual.contiguous() if residual is not None else None, weight.contiguous()
@@ -372,7 +378,6 @@ class Communicator:
 
         if x.numel() == 0:
             return result()
-        plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype)
         if plan.algorithm == "fallback":
             o, ro = reference.fused_add_rmsnorm_reference(x, residual, weight, eps, gemma, self.group)
             out.copy_(o)
