@@ -179,7 +179,7 @@ def test_all_reduce_out(pool, algo, dtype, shape, out_mode):
 def test_partly_overlaps_only_for_shared_bytes_other_than_in_place():
     """The overlap check of ``all_reduce``'s out (contiguous out and x of one size): shifted views of one
     buffer overlap, the same view (in place), adjacent and separate tensors do not."""
-    from tpcomm.communicator import _partly_overlaps
+    from tpcomm.validate import partly_overlaps as _partly_overlaps
 
     buf = torch.zeros(100, dtype=torch.bfloat16)
     assert _partly_overlaps(buf[1:51], buf[:50]) and _partly_overlaps(buf[:50], buf[1:51])

@@ -15,8 +15,8 @@ from . import call_cache, dispatch, reference, validate
 from .validate import checked_limits
 from .env import interpreter_enabled, interpreter_problem, read_env
 from .errors import PeerMismatchError, PeerTimeoutError
-from .fp8_outputs import check_unquantized_call, fp8_outputs
-from .quant import DEFAULT_GROUP_SIZE
+from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call, fp8_outputs
+from .kernels import chunks
 from .kernels.launch import direct_launch_supported
 from .kernels.sync import MISMATCH_CODE, call_signature
 from .workspace import Workspace
@@ -449,23 +449,12 @@ class Communicator:
         if plan.algorithm == "fallback":
             out.copy_(reference.all_gather_reference(x, self.group))
             return out
-        from .kernels.gather import all_gather_call
-
         src, dst = x.contiguous(), out  # addressed flat
         if as_bytes:
             src, dst = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
-        width = dispatch.all_reduce_width(n, src.element_size(), self.workspace)
-        cfg = dispatch.row_config(width, self.workspace.max_programs)
-        n_rows = -(-n // width)
-        per_launch = self.workspace.rows_per_launch(width, src.element_size())
         launched = [] if key is not None and not as_bytes else None
-        with self._launching(op, launched):
-            for r0 in range(0, n_rows, per_launch):
-                r1 = min(n_rows, r0 + per_launch)
-                a, b = r0 * width, min(n, r1 * width)
-                sig = self._sign(op, "push", str(x.dtype), n, r0, r1, width, call)
-                piece, into = (src, dst) if a == 0 and b == n else (src.view(-1)[a:b], dst.view(-1)[a:])
-                self._launch(all_gather_call(piece, into, n, self.workspace, r1 - r0, width, cfg, sig))
+        self._run(op, chunks.gather_launches(self.workspace, src, dst, n, str(x.dtype), self._signer(op), call),
+                  launched)
         if launched is not None:
             self._remember(key, launched, (src, dst), (), (out,))
         return out
@@ -529,8 +518,9 @@ class Communicator:
             return out
         xc = x.contiguous()  # addressed flat
         launched = [] if key is not None else None
-        self._run_two_shot(op, xc, out, None, None, None, T, H, 0.0, norm=False, gemma=False, scatter_only=True,
-                           call=call, record=launched)
+        self._run(op, chunks.two_shot_launches(self.workspace, self.world_size, xc, out, None, None, None, T, H, 0.0,
+                                               False, False, None, self._signer(op), scatter_only=True, call=call),
+                  launched)
         if launched is not None:
             self._remember(key, launched, (xc, out), (), (out,))
         return out
@@ -588,56 +578,23 @@ class Communicator:
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
                   quant=None, call=(), record=None):
-        """Launch ``plan`` over ``n_rows`` rows of ``H`` in as many launches as the workspace needs.
+        """Launch ``plan`` over ``n_rows`` rows of ``H`` (:func:`tpcomm.kernels.chunks.row_launches`).
         ``call`` is what tells the user's call apart beyond the flat sizes (its shape; with ``dim`` for
         gathers and scatters): part of every launch's signature. ``record``: a list that receives each
         launch (:meth:`_launch`)."""
-        if plan.algorithm == "two_shot":
-            self._run_two_shot(op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                               quant=quant, call=call, record=record)
-            return
-        from .kernels.lamport import lamport_call
-        from .kernels.one_shot import one_shot_call
+        self._run(op, chunks.row_launches(plan.algorithm, self.workspace, self.world_size, x, out, residual,
+                                          residual_out, weight, n_rows, H, eps, norm, gemma, quant,
+                                          self._signer(op), call), record)
 
-        ws = self.workspace
-        cfg = dispatch.row_config(H, ws.max_programs)
-        es = x.element_size()
-        lamport_rows = ws.lamport_rows_per_launch(H, es)
-        use_lamport = plan.algorithm == "lamport" and lamport_rows >= 1
-        per_launch = lamport_rows if use_lamport else ws.rows_per_launch(H, es)
-        numel = x.numel()
+    def _run(self, op: str, launches, record=None) -> None:
+        """Launch ``launches`` (KernelCalls, made as they are consumed) under :meth:`_launching`."""
         with self._launching(op, record):
-            for r0 in range(0, n_rows, per_launch):
-                r1 = min(n_rows, r0 + per_launch)
-                a, b = r0 * H, min(numel, r1 * H)
-                if a == 0 and b == numel:  # one launch (the usual case): no views to make
-                    args = (x, out, residual, residual_out, weight, ws, n_rows, H, eps, cfg, norm, gemma)
-                else:
-                    args = (x.view(-1)[a:b], out.view(-1)[a:b],
-                            residual.view(-1)[a:b] if residual is not None else None,
-                            residual_out.view(-1)[a:b] if residual_out is not None else None,
-                            weight, ws, r1 - r0, H, eps, cfg, norm, gemma)
-                q = quant.shifted(r0, a) if quant is not None else None
-                sig = self._sign(op, plan.algorithm, str(x.dtype), numel, r0, r1, H, norm,
-                                 residual is not None, gemma, _quant_fields(quant), eps, call)
-                self._launch((lamport_call if use_lamport else one_shot_call)(*args, sig, quant=q))
+            for call in launches:
+                self._launch(call)
 
-    def _run_two_shot(self, op, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                      scatter_only=False, quant=None, call=(), record=None):
-        from .kernels.two_shot import two_shot_call
-
-        ws = self.workspace
-        cfg = dispatch.row_config(H, ws.max_programs, two_shot=True)
-        per_launch = ws.share_rows_per_launch(H, x.element_size())
-        longest = -(-n_rows // self.world_size)
-        with self._launching(op, record):
-            for j0 in range(0, longest, per_launch):
-                n_local = min(per_launch, longest - j0)
-                sig = self._sign(op, "two_shot", str(x.dtype), x.numel(), n_rows, j0, n_local, H, norm,
-                                 residual is not None, gemma, _quant_fields(quant), scatter_only, eps,
-                                 call)
-                self._launch(two_shot_call(x, out, residual, residual_out, weight, ws, n_rows, j0, n_local, H,
-                                           eps, cfg, norm, gemma, sig, scatter_only, quant))
+    def _signer(self, op: str):
+        """``sign(*fields)``: :meth:`_sign` for ``op``."""
+        return lambda *fields: self._sign(op, *fields)
 
     def _launch(self, call) -> None:
         """Launch ``call`` (a :class:`~tpcomm.kernels.launch.KernelCall`); while a call records
@@ -772,11 +729,4 @@ class Communicator:
         else:
             how = "kernels" + ("" if self.algorithm == "auto" else f", algorithm forced to {self.algorithm}")
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how})"
-
-
-def _quant_fields(quant) -> tuple:
-    """What a launch's signature carries of its FP8 output: the mode, the format and the group size (ranks
-    that differ in any would return different FP8 bytes; the scale layout and ``emit_unquantized`` change
-    no byte, so they may differ)."""
-    return (quant.mode, str(quant.fp8), quant.group) if quant is not None else (0,)
 

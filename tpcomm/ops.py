@@ -61,8 +61,7 @@ from typing import Optional
 import torch
 
 from . import graphs
-from .fp8_outputs import check_unquantized_call
-from .quant import DEFAULT_GROUP_SIZE
+from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call
 
 # -- registry -------------------------------------------------------------------------------------------
 def register(comm) -> int:
@@ -216,7 +215,7 @@ def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, gro
 @_fused_fp8_op.register_fake
 def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
       emit_unquantized):
-    from .fp8_outputs import fp8_outputs
+    from .quant import fp8_outputs
 
     # the communicator's own allocation (and validation): the same shapes and strides (column-major
     # scales are the transpose of a contiguous (H / group_size, T) tensor)
@@ -419,7 +418,7 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual, weight, eps, gemma, out, passed_residual_out)
         return out, residual_out
-    from .fp8_outputs import fp8_outputs
+    from .quant import fp8_outputs
 
     if out is None and emit_unquantized:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
