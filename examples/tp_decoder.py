@@ -331,7 +331,12 @@ def main(argv=None) -> int:
                     help="capture and replay a CUDA graph (default: on GPU)")
     args = ap.parse_args(argv)
     device = args.device or default_device()
-    world = args.world or (torch.cuda.device_count() if device == "cuda" else 2)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < 2:
+        ap.error(f"--device cuda needs at least 2 GPUs; this machine has {gpus} (use --device cpu)")
+    if device == "cuda" and args.world is not None and args.world > gpus:
+        ap.error(f"--world {args.world} is more than the {gpus} GPUs of this machine")
+    world = args.world or (gpus if device == "cuda" else 2)
     cfg = default_config(device, world)
     overrides = {k: v for k, v in vars(args).items() if k not in ("device", "world") and v is not None}
     cfg = dataclasses.replace(cfg, **overrides)

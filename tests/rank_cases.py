@@ -383,7 +383,57 @@ def constructor_error_case(ctx, case):
             os.environ["TPCOMM_ALGO"] = saved
 
 
-# -- environment, life cycle, timeouts -------------------------------------------------------------------
+#: Settings one rank changes (rank 1: ``env`` variables, or a patched module attribute), and whether the
+#: ranks must agree on them (then every rank's constructor raises naming ``field``).
+SETTINGS = {
+    "algo": ({"TPCOMM_ALGO": "two_shot"}, None, "TPCOMM_ALGO"),
+    "algo_fallback": ({"TPCOMM_ALGO": "fallback"}, None, "TPCOMM_ALGO"),
+    "tpcomm_version": ({}, ("tpcomm", "__version__", "0.0.0-other"), "tpcomm version"),
+    "triton_version": ({}, ("triton", "__version__", "0.0.0-other"), "Triton version"),
+    "pdl": ({"TPCOMM_PDL": "0"}, None, None),
+    "timeout": ({"TPCOMM_TIMEOUT_S": "7"}, None, None),
+    "max_programs": ({"TPCOMM_MAX_PROGRAMS": "2"}, None, None),
+    "direct_launch": ({"TPCOMM_DIRECT_LAUNCH": "0"}, None, None),
+}
+
+
+def settings_case(ctx, case):
+    """Rank 1 creates its communicator with one setting changed (``SETTINGS``). Returns ``(raised,
+    seconds the constructor took, right)``: ``raised`` as :func:`numerics.raised`, ``right`` whether an
+    all-reduce and a fused call then match the contract (None when the constructor raised)."""
+    import importlib
+    import time as _time
+
+    env, patch, _ = SETTINGS[case]
+    saved = None
+    if ctx.rank == 1 and patch is not None:
+        module = importlib.import_module(patch[0])
+        saved = getattr(module, patch[1])
+        setattr(module, patch[1], patch[2])
+    made = []
+    t0 = _time.perf_counter()
+    try:
+        error = raised(lambda: made.append(new_communicator(env=env if ctx.rank == 1 else {})))
+    finally:
+        if saved is not None:
+            setattr(importlib.import_module(patch[0]), patch[1], saved)
+    took = _time.perf_counter() - t0
+    if error is not None:
+        return error, took, None
+    comm = made[0]
+    try:
+        xs = all_inputs(3, ctx.world_size, (2, 64), torch.bfloat16)
+        res, w = residual_input(3, (2, 64), torch.bfloat16), weight_input(3, 64, torch.bfloat16)
+        s = tpcomm.reduce_in_rank_order(xs)
+        o, ro = tpcomm.add_rmsnorm_reference(s, res, w, 1e-6)
+        got = comm.fused_add_rmsnorm(xs[ctx.rank], res, w)
+        right = (torch.equal(bits(comm.all_reduce(xs[ctx.rank])), bits(s)) and torch.equal(bits(got[0]), bits(o))
+                 and torch.equal(bits(got[1]), bits(ro)))
+        return None, took, right
+    finally:
+        comm.close()
+
+
 def fallback_env_case(ctx, seed, shape, dtype):
     """The same calls on a communicator created with ``TPCOMM_ALGO=fallback`` and on the kernel one."""
     fb = new_communicator(algo="fallback")

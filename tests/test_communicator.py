@@ -96,6 +96,25 @@ def test_bad_constructor_argument_raises(pool, case):
     check.done()
 
 
+@pytest.mark.parametrize("case", sorted(rank_cases.SETTINGS))
+def test_settings_the_ranks_must_agree_on_are_checked_at_creation(pool, case):
+    """One rank changes one setting. Those the ranks must agree on (the algorithm, the versions, the
+    workspace layout) are refused by every rank's constructor at once, naming the setting and each
+    rank's value; those that may differ (PDL, timeout, grid cap, direct launch) give a working
+    communicator whose results match the contract."""
+    _, _, field = rank_cases.SETTINGS[case]
+    check = Checks()
+    for r, (error, took, right) in enumerate(pool.run(rank_cases.settings_case, case)):
+        if field is None:
+            check.that(error is None and right, f"rank {r}: {case} may differ, but: raised {error}, right={right}")
+            continue
+        check.that(error is not None and error[0] == "ValueError" and field in error[1]
+                   and "rank 0:" in error[1] and "rank 1:" in error[1],
+                   f"rank {r}: {case}: expected a ValueError naming {field!r} and each rank's value, got {error}")
+        check.that(took < 5.0, f"rank {r}: {case}: refused after {took:.1f} s")
+    check.done()
+
+
 @pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 64), (torch.float32, 7), (torch.float16, 8200)],
                          ids=["bfloat16-64", "float32-7", "float16-8200"])
 def test_zero_tokens(pool, dtype, H):

@@ -54,3 +54,10 @@ def test_bad_arguments_are_refused_before_launch(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         tp_decoder.main(["--device", "cpu", "--world", "2"] + argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
+def test_cuda_without_two_gpus_says_so(capsys):
+    with pytest.raises(SystemExit) as e:
+        tp_decoder.main(["--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda needs at least 2 GPUs" in capsys.readouterr().err

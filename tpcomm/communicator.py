@@ -64,10 +64,13 @@ class Communicator:
     Raises:
         TypeError, ValueError: ``max_bytes`` or ``timeout_s`` is out of range or of the wrong type, or a
             ``TPCOMM_*`` variable is invalid, on this rank; on the other ranks a ValueError naming the
-            rank that refused (every rank raises, none waits for it); or ``max_bytes`` differs between
-            ranks; or this process is not a member of ``group`` (the placeholder ``new_group`` returns on
-            the ranks it leaves out; with ``use_local_synchronization=True`` those ranks get None, which
-            means the default group here, as everywhere in torch.distributed).
+            rank that refused (every rank raises, none waits for it); or this process is not a member of
+            ``group`` (the placeholder ``new_group`` returns on the ranks it leaves out; with
+            ``use_local_synchronization=True`` those ranks get None, which means the default group here,
+            as everywhere in torch.distributed).
+        ValueError: on every rank, when a setting the ranks must agree on differs (``max_bytes``,
+            ``TPCOMM_ALGO``, the tpcomm and Triton versions, the workspace layout): the message names it and
+            each rank's value.
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -156,16 +159,38 @@ class Communicator:
             raise ValueError(f"Communicator: {error}")
         return dispatch.CrossoverTable.from_json(text) if text else dispatch.DEFAULT_TABLE
 
+    def _agreed_settings(self) -> dict:
+        """The settings every rank must share, by name: a peer with another value would run other kernels,
+        another workspace layout or another protocol. (Settings that may differ: ``timeout_s`` and
+        ``TPCOMM_TIMEOUT_S``, each rank waiting its own; ``TPCOMM_MAX_PROGRAMS``, the smallest is used;
+        ``TPCOMM_DISPATCH_TABLE``, rank 0's is used; ``TPCOMM_PDL`` and ``TPCOMM_DIRECT_LAUNCH``, how a
+        rank launches on its own stream.)"""
+        import triton
+
+        from . import __version__
+
+        return {"max_bytes": self.max_bytes, "TPCOMM_ALGO": self.algorithm, "tpcomm version": __version__,
+                "Triton version": triton.__version__,
+                "workspace layout": (min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES), dispatch.TWO_SHOT_GRID_FACTOR,
+                                     dispatch.ALL_REDUCE_ROW, dispatch.MAX_BLOCK_H)}
+
     def _set_up(self) -> str | None:
-        """Create the workspace if every rank can; returns why not (None when it exists). Collective."""
-        info = (socket.gethostname(), self._local_programs(), self.max_bytes, interpreter_enabled(),
-                interpreter_problem())
+        """Check that the ranks agree on :meth:`_agreed_settings`, then create the workspace if every rank
+        can; returns why not (None when it exists). Collective.
+
+        Raises:
+            ValueError: on every rank, when a setting differs between ranks: its name and each rank's value.
+        """
+        info = (socket.gethostname(), self._local_programs(), interpreter_enabled(), interpreter_problem(),
+                self._agreed_settings())
         infos: list = [None] * self.world_size
         dist.all_gather_object(infos, info, group=self.group)
-        hosts, programs, sizes, interpreted, problems = zip(*infos)
-        if len(set(sizes)) > 1:
-            raise ValueError(f"Communicator: max_bytes differs between ranks ({list(sizes)}); "
-                             "every rank must pass the same value")
+        hosts, programs, interpreted, problems, settings = zip(*infos)
+        differ = [name for name in settings[0] if any(s.get(name) != settings[0][name] for s in settings)]
+        if differ:
+            raise ValueError("Communicator: the ranks must agree on " + "; ".join(
+                f"{name} (" + ", ".join(f"rank {r}: {s.get(name)!r}" for r, s in enumerate(settings)) + ")"
+                for name in differ))
         reason = None
         if self.world_size < 2:
             reason = "a group of one rank needs no communication"

@@ -420,7 +420,10 @@ def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
     """Every case on this rank (run by :func:`tpcomm.launch.launch`); returns this rank's rows."""
     from .communicator import Communicator
 
+    from .progress import Progress
+
     rows: list[Row] = []
+    progress = Progress(rank == 0, len(cfg.hiddens) * len(cfg.tokens) * len(OPS) + 1, "tpcomm demo", every_s=5.0)
     with Communicator() as comm:
         case = 0
         for H in cfg.hiddens:
@@ -428,7 +431,10 @@ def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
                 for name, method, has_res, gemma in OPS:
                     case += 1
                     rows.append(_op_case(comm, cfg, case, name, method, has_res, gemma, T, H))
+                    progress.advance(f"{name} {T}x{H}")
         rows.append(_mlp_case(comm, cfg))
+        progress.advance("tp_mlp")
+        progress.close()
         if comm.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()

@@ -67,7 +67,7 @@ class SoakConfig:
         dtypes: dtype names to draw from (repeats weight the draw).
         small_max_bytes: ``max_bytes`` of the second communicator (calls larger than it run in chunks).
         max_delay: the largest random delay before a call: seconds on the CPU, microseconds on the GPU.
-        progress_every: rank 0 prints a progress line every this many steps (0: never).
+        progress: rank 0 shows progress (a rich bar on a terminal, else a line every few seconds).
     """
 
     device: str
@@ -84,11 +84,11 @@ class SoakConfig:
     dtypes: tuple
     small_max_bytes: int
     max_delay: float
-    progress_every: int = 0
+    progress: bool = False
 
 
 def make_config(device: str, world_size: int, steps: int, seed: int = 0, timeout_s: float = 10.0,
-                max_delay: float | None = None, progress_every: int = 0) -> SoakConfig:
+                max_delay: float | None = None, progress: bool = False) -> SoakConfig:
     """The soak's sizes for ``device``.
 
     GPU: hidden 4096; fused calls at 1-64 tokens (decode) and 512 or 2048 (prefill: 4 and 16 MiB of bf16;
@@ -105,11 +105,11 @@ def make_config(device: str, world_size: int, steps: int, seed: int = 0, timeout
                           large_tokens=(512, 2048), flat_sizes=(1, 3 * 4096 + 5, 1 << 20, 6 << 20),
                           gather_rows=(1, 7, 256), scatter_rows=(2, 7, 256, 1024),
                           dtypes=("bf16", "bf16", "fp16", "fp32"), small_max_bytes=1 << 20,
-                          max_delay=20.0 if max_delay is None else max_delay, progress_every=progress_every)
+                          max_delay=20.0 if max_delay is None else max_delay, progress=progress)
     return SoakConfig(device, world_size, steps, seed, timeout_s, hidden=48, small_tokens=(1, 2),
                       large_tokens=(5,), flat_sizes=(1, 37, 4100), gather_rows=(1, 3), scatter_rows=(2, 5),
                       dtypes=("bf16", "bf16", "fp16", "fp32"), small_max_bytes=4096,
-                      max_delay=0.03 if max_delay is None else max_delay, progress_every=progress_every)
+                      max_delay=0.03 if max_delay is None else max_delay, progress=progress)
 
 
 # -- one call ---------------------------------------------------------------------------------------------
@@ -279,6 +279,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig, make_comms=None) -> d
     """
     from . import dispatch
     from .errors import PeerTimeoutError
+    from .progress import Progress
 
     make_comms = make_comms or default_make_comms
     algorithms = ("auto",) + tuple(dispatch.ALGORITHMS) + ("fallback",)
@@ -289,6 +290,7 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig, make_comms=None) -> d
     counts = {"steps": 0, "calls": 0, "mismatches": 0, "hangs": 0, "first_mismatches": [], "hang_notes": []}
     tally: Counter = Counter()
     step_s = []
+    progress = Progress(rank == 0 and cfg.progress, cfg.steps, "tpcomm soak", every_s=5.0)
     t_start = time.perf_counter()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -337,9 +339,9 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig, make_comms=None) -> d
             comms = make_comms(cfg)
         counts["steps"] += 1
         step_s.append(time.perf_counter() - t0)
-        if rank == 0 and cfg.progress_every and (step + 1) % cfg.progress_every == 0:
-            print(f"  step {step + 1}/{cfg.steps}: {time.perf_counter() - t_start:.1f} s, "
-                  f"calls {counts['calls']}, mismatches {counts['mismatches']} (rank 0), hangs {counts['hangs']}", flush=True)
+        progress.advance(f"step {step + 1}: calls {counts['calls']}, mismatches {counts['mismatches']} (rank 0), "
+                         f"hangs {counts['hangs']}")
+    progress.close()
     for c in comms:
         c.close()
     counts.update(tally={f"{k}|{a}": n for (k, a), n in sorted(tally.items())}, checksum=int(checksum.item()),
@@ -407,7 +409,7 @@ def main(steps: int = 200, world_size: int | None = None, device: str | None = N
         print(f"tpcomm soak: --world must be >= 2, got {world_size}")
         return 2
     cfg = make_config(device, world_size, steps, seed, timeout_s, max_delay,
-                      progress_every=max(1, steps // 20) if steps >= 100 else 0)
+                      progress=True)
     unit = "µs" if device == "cuda" else "s"
     print(f"tpcomm soak: {steps} steps of {len(KINDS)} calls on {world_size} {device} ranks, seed {seed}, "
           f"timeout {timeout_s:g} s, delays up to {cfg.max_delay:g} {unit}", flush=True)

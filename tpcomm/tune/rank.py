@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..bench.checks import Case, compare, expected, make_inputs
 from ..bench.config import calls_per_replay
 from ..bench.contenders.base import Slots
-from ..bench.progress import Progress
+from ..progress import Progress
 from ..bench.timing import agree, capture, describe, device, sync, time_replays
 from .config import TuneConfig
 
