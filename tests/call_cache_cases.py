@@ -34,7 +34,7 @@ class LaunchLog:
             return log._launch(call)
 
         def replay(r, tensors, stream=None):
-            log.replayed.append(r.call.kernel.__name__)
+            log.replayed.append(r.kernel.__name__)
             return log._replay(r, tensors, stream)
 
         comm._launch = launch
@@ -149,6 +149,8 @@ def changed_key_case(ctx, seed):
         "dtype": (lambda: comm.fused_add_rmsnorm(xs16[ctx.rank], res.half(), w.half()),
                   lambda got: fused_ok(got, xs16, res.half(), w.half())),
         "strides": (lambda: comm.fused_add_rmsnorm(x_t, res, w), lambda got: fused_ok(got, xs, res, w)),
+        # one object as two arguments, then the same shapes as distinct tensors (the base call)
+        "x as residual": (lambda: comm.fused_add_rmsnorm(x, x, w), lambda got: fused_ok(got, xs, x, w)),
         "hidden": (lambda: comm.fused_add_rmsnorm(xs_wide[ctx.rank], res_wide, w_wide),
                    lambda got: fused_ok(got, xs_wide, res_wide, w_wide)),
         "no residual": (lambda: comm.fused_add_rmsnorm(x, None, w),
@@ -177,6 +179,14 @@ def changed_key_case(ctx, seed):
             full, replayed = log.take()
             checks.append((f"{name}: base call after it still replays and is right",
                            not full and bool(replayed) and fused_ok(again, xs, res, w)))
+            checks.append((f"{name}: repeated, right again", ok(call())))  # replayed, or (strides) not recorded
+            log.take()
+        # a non-contiguous input is copied by the full path, so it is never recorded: every call is planned
+        for rep in range(2):
+            got = comm.all_reduce(x_t)
+            full, replayed = log.take()
+            checks.append((f"non-contiguous all_reduce #{rep}: right, full path",
+                           _same(got, reference.reduce_in_rank_order(xs)) and bool(full) and not replayed))
         # the algorithm is part of the key: the same call under each forced algorithm runs that kernel
         kernels = {}
         for algo in ("lamport", "one_shot", "two_shot"):
@@ -274,6 +284,10 @@ def given_outputs_case(ctx, seed, shape, dtype_name):
             got = call(x, inplace, w, out=out2, residual_out=inplace)
             checks.append((f"{via} #{rep}: residual in place", got[1] is inplace and _same(inplace, ro_ref)
                            and _same(out2, o_ref)))
+            inplace = res.clone()
+            got = call(x, inplace, w, out=out2, residual_out=inplace.view(inplace.shape))  # a view of all of it
+            checks.append((f"{via} #{rep}: residual in place through a view", _same(inplace, ro_ref)
+                           and _same(got[1], ro_ref) and _same(out2, o_ref)))
             no_res = call(x, None, w, out=out2)
             checks.append((f"{via} #{rep}: no residual", no_res[1] is None
                            and _same(out2, comm.fused_add_rmsnorm(x, None, w)[0])))
@@ -314,6 +328,8 @@ def bad_outputs_case(ctx):
         "residual_out is x": lambda: comm.fused_add_rmsnorm(x, res, w, residual_out=x),
         "out with quant, no emit": lambda: comm.fused_add_rmsnorm(x, res, w, quant="fp8_per_token",
                                                                   out=torch.empty_like(x)),
+        "ops: out with quant, no emit": lambda: tops.fused_add_rmsnorm(comm, x, res, w, quant="fp8_per_token",
+                                                                       out=torch.empty_like(x)),
         "q_out without quant": lambda: comm.fused_add_rmsnorm(
             x, res, w, q_out=torch.empty(2, 32, dtype=torch.float8_e4m3fn)),
         "q_out of another format": lambda: comm.fused_add_rmsnorm(
@@ -349,16 +365,25 @@ def bounded_cache_case(ctx, limit, shapes):
 
 
 def replay_holds_no_tensor_case(ctx):
-    """A recorded interpreter replay keeps no reference to a later call's tensors (they are freed when
-    the caller drops them). Returns True when the output of a repeated call is collected."""
+    """The cache keeps no reference to any call's tensors, the recording call's included: inputs and
+    outputs of a first and a repeated call are freed once the caller drops them. Returns
+    ``(what, ok)`` pairs."""
     import gc
     import weakref
 
     comm = ctx.comm()
-    x = torch.randn(4, 8)
-    comm.all_reduce(x)
-    y = comm.all_reduce(x)
-    ref = weakref.ref(y)
-    del y
-    gc.collect()
-    return ref() is None and len(comm._calls) >= 1 and call_cache.MAX_ENTRIES >= 1
+    comm._calls.clear()
+    checks = []
+    for name, call in (("all_reduce", lambda x, r, w: (comm.all_reduce(x),)),
+                       ("fused", lambda x, r, w: comm.fused_add_rmsnorm(x, r, w)),
+                       ("fused FP8", lambda x, r, w: comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_token")),
+                       ("all_gather", lambda x, r, w: (comm.all_gather(x),))):
+        for which in ("first", "repeated"):
+            x, r, w = torch.randn(4, 16), torch.randn(4, 16), torch.ones(16)
+            outs = call(x, r, w)
+            refs = [weakref.ref(t) for t in (x, r, w, *outs) if t is not None]
+            del x, r, w, outs
+            gc.collect()
+            checks.append((f"{name}, {which} call: tensors freed", all(ref() is None for ref in refs)))
+    checks.append(("calls were recorded", len(comm._calls) == 4 and call_cache.MAX_ENTRIES >= 1))
+    return checks

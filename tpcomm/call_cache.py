@@ -45,8 +45,7 @@ class CachedCall:
 
     Attributes:
         replays: the launches, in order.
-        direct: every replay launches through the compiled kernel's launcher (then pointer slots may hold
-            any tensor with the right address, e.g. FP8 outputs as they are returned).
+        direct: every replay was confirmed for the compiled kernel's launcher.
         spec: the op's own facts (see the ``*_hit`` functions).
         outputs: per output the op allocates, ``(shape, strides, dtype, device)`` of the first call's
             tensor (``torch.empty_strided`` makes the same), or None where the caller passed it or the
@@ -75,8 +74,11 @@ class CallCache:
     def put(self, key, entry: CachedCall) -> None:
         entries = self._entries
         entries[key] = entry
-        if len(entries) > self.max_entries:
-            entries.pop(next(iter(entries)))
+        while len(entries) > self.max_entries:
+            try:
+                entries.pop(next(iter(entries)), None)
+            except (StopIteration, RuntimeError):  # emptied or changed by another thread meanwhile
+                break
 
     def clear(self) -> None:
         self._entries.clear()
@@ -85,11 +87,13 @@ class CallCache:
         return len(self._entries)
 
 
-def record(launched: list, tensors: tuple, constants: tuple, direct: bool) -> tuple | None:
+def record(launched: list, tensors: tuple, constants: tuple, direct: bool,
+           device_index: int | None = None) -> tuple | None:
     """The replays of the launches ``launched`` (``(KernelCall, compiled)`` pairs), each tensor
-    parameter a slot of ``tensors`` (matched by identity), or None when a launch takes a tensor that is
-    neither one of them nor one of ``constants`` (the workspace's tables: reused as they are), or when
-    nothing was launched."""
+    parameter a slot of ``tensors`` (the caller's own tensors, matched by identity; where one object is
+    several of them, the last), or None when a launch takes a tensor that is neither one of them nor one
+    of ``constants`` (the workspace's tables: reused as they are; a contiguous copy of an input is
+    neither, so such calls are not recorded), or when nothing was launched."""
     if not launched:
         return None
     by_id = {id(t): j for j, t in enumerate(tensors) if t is not None}
@@ -104,7 +108,7 @@ def record(launched: list, tensors: tuple, constants: tuple, direct: bool) -> tu
                     slots.append((i, j))
                 elif id(p) not in constant_ids:
                     return None
-        replays.append(Replay(call, tuple(slots), compiled, direct))
+        replays.append(Replay(call, tuple(slots), compiled, direct, device_index))
     return tuple(replays)
 
 
@@ -145,8 +149,10 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
               emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool) -> tuple | None:
     if not _plain(x, residual, weight):
         return None
+    # which arguments are one object: the recorded slots follow that pattern
     key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.stride(), weight.device,
-           eps.__class__, eps, gemma.__class__, gemma, quant, algorithm)
+           eps.__class__, eps, gemma.__class__, gemma, quant, algorithm, residual is x, weight is x,
+           weight is residual)
     key += (None,) if residual is None else (residual.shape, residual.dtype, residual.stride(), residual.device)
     if quant is not None or fp8_dtype is not _E4M3 or group_size.__class__ is not int or group_size != 128 \
             or column_major_scales is not False or emit_unquantized is not False:
@@ -205,8 +211,7 @@ def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q
         return out, residual_out
     q = q_out if qo is None else _NEW(qo[0], qo[1], dtype=qo[2], device=qo[3])
     scales = scales_out if so is None else _NEW(so[0], so[1], dtype=so[2], device=so[3])
-    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out,
-                                              q if entry.direct else q.view(torch.uint8), scales))
+    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q, scales))
     return q, scales, residual_out, (out if emit else None)
 
 

@@ -293,7 +293,7 @@ class Communicator:
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         elif launched is not None:
-            self._remember(key, launched, (src, dst), (), (None if given else out,))
+            self._remember(key, launched, (x, out), (), (None if given else out,))
         return out
 
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -419,9 +419,9 @@ class Communicator:
                        quant=launch_quant, record=launched)
         if launched is not None:
             new = [None if g is not None else t for t, g in zip(outputs, given)]
-            self._remember(key, launched, (xc, rc, wc, out, residual_out, launch_quant and launch_quant.q,
-                                           launch_quant and launch_quant.scales), (quant, emit_unquantized),
-                           (new + [None, None])[:4])
+            self._remember(key, launched, (x, residual, weight, out, residual_out,
+                                           launch_quant and launch_quant.q, launch_quant and launch_quant.scales),
+                           (quant, emit_unquantized), (new + [None, None])[:4])
         return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -481,7 +481,7 @@ class Communicator:
         self._run(op, chunks.gather_launches(self.workspace, src, dst, n, str(x.dtype), self._signer(op), call),
                   launched)
         if launched is not None:
-            self._remember(key, launched, (src, dst), (), (out,))
+            self._remember(key, launched, (x, out), (), (out,))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -547,7 +547,7 @@ class Communicator:
                                                False, False, None, self._signer(op), scatter_only=True, call=call),
                   launched)
         if launched is not None:
-            self._remember(key, launched, (xc, out), (), (out,))
+            self._remember(key, launched, (x, out), (), (out,))
         return out
 
     def _integer_sum(self, op: str, x: torch.Tensor, call: tuple) -> torch.Tensor:
@@ -632,17 +632,22 @@ class Communicator:
         """Cache the launches ``launched`` of the call with ``key`` (:mod:`tpcomm.call_cache`), each tensor
         parameter a slot of ``tensors``; ``outputs``: the tensors the call allocated (None where given),
         whose layouts a repeated call allocates. A call whose launches take other tensors is not cached."""
-        ws = self.workspace
-        replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
-                                                        ws.state, ws.err), self._direct)
-        if replays is not None:
-            self._calls.put(key, call_cache.CachedCall(replays, spec, outputs))
+        with self._lock:
+            ws = self.workspace
+            if ws is None:  # closed meanwhile
+                return
+            replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
+                                                            ws.state, ws.err), self._direct, self.device.index)
+            if replays is not None:
+                self._calls.put(key, call_cache.CachedCall(replays, spec, outputs))
 
     def _replay(self, op: str, entry, tensors: tuple) -> None:
         """Launch a cached call's replays with ``tensors`` (:meth:`_launching`'s checks and ordering, without
         its generator)."""
-        err = self.workspace._err_words  # the error words (Workspace.error_code without the call)
         with self._lock:
+            if self._closed:
+                self._check_open(op)
+            err = self.workspace._err_words  # the error words (Workspace.error_code without the call)
             if err[0]:
                 self.check(op)
             stream = self._order_streams() if self._cuda else None

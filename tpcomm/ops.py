@@ -406,7 +406,13 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
                emit_unquantized, out, residual_out, q_out, scales_out):
     """:func:`fused_add_rmsnorm` with given outputs: the missing ones allocated here, as the method would
     (so the op always has every output to mutate)."""
-    in_place = residual is not None and residual_out is residual
+    # residual_out that is the residual's own memory (the object or a view of all of it): in place, so
+    # the op never gets two mutable arguments that alias
+    in_place = residual is not None and residual_out is not None and (
+        residual_out is residual or (residual_out.data_ptr() == residual.data_ptr()
+                                     and residual_out.shape == residual.shape
+                                     and residual_out.stride() == residual.stride()
+                                     and residual_out.dtype == residual.dtype))
     if residual_out is None and residual is not None:
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     passed_residual_out = None if in_place else residual_out
@@ -420,12 +426,15 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
         return out, residual_out
     from .quant import fp8_outputs
 
+    if out is not None and not emit_unquantized:  # as the method refuses it
+        raise ValueError(f"fused_add_rmsnorm: out with quant={quant!r} needs emit_unquantized=True (otherwise no "
+                         "unquantised output is written)")
     if out is None and emit_unquantized:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if q_out is None or scales_out is None:  # the method's own allocation (and validation) of the rest
-        fresh = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales)
-        q_out = fresh.q_fp8 if q_out is None else q_out
-        scales_out = fresh.scales_view if scales_out is None else scales_out
+        fresh = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales, q_out,
+                            scales_out)
+        q_out, scales_out = fresh.q_fp8, fresh.scales_view
     torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
                                                group_size, column_major_scales, q_out, scales_out,
                                                passed_residual_out, out)

@@ -15,13 +15,20 @@ from another call's tensors (the cached path of :mod:`tpcomm.call_cache`). It la
   skipped: they are a function of the call's key (shapes, dtypes, strides, flags, and each pointer's
   16-byte alignment, which Triton specialises on), and the key is what selected this replay. When it is
   recorded, the replay asks Triton's own binder which compiled kernel these parameters select; if that
-  is not the kernel the launch returned, or any step of that check is missing in the installed Triton,
-  the replay launches through ``kernel[grid]`` instead. Launch hooks (a profiler's) also send a launch
-  through ``kernel[grid]``, so they see every launch.
+  is not the kernel the launch returned, if the kernel has pre-run hooks, if the installed Triton's
+  ``JITFunction.run`` does not launch this way (read from its source), or any step of that check is
+  missing, the replay launches through ``kernel[grid]`` instead. Launch hooks (a profiler's) and a
+  current device other than the recording one also send a replay through ``kernel[grid]``. What a direct
+  replay does not redo: ``JITFunction.run``'s check that the globals a kernel read have not changed (the
+  kernels read only module constants), and its reading of ``knobs`` (debug, instrumentation) after the
+  launch was recorded.
 * **through** ``kernel[grid](...)`` everywhere else: the interpreter (CPU ranks), other Triton versions.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -68,29 +75,49 @@ class KernelCall:
 
 def direct_launch_supported(device: torch.device, enabled: bool = True) -> bool:
     """Whether replays on ``device`` may call the compiled kernel's launcher: ``enabled``
-    (``TPCOMM_DIRECT_LAUNCH``), CUDA without the interpreter, and a Triton that has the binder and kernel
-    cache :func:`_same_kernel` reads (checked again per recorded launch)."""
+    (``TPCOMM_DIRECT_LAUNCH``), CUDA without the interpreter, and a Triton whose ``JITFunction.run``
+    launches as :class:`Replay` does (:func:`_triton_launches_as_replays_do`); each recorded launch is
+    checked again against Triton's binder (:func:`_same_kernel`)."""
     if not enabled or device.type != "cuda" or interpreter_enabled():
         return False
+    return _triton_launches_as_replays_do()
+
+
+#: The call ``JITFunction.run`` makes after binding, in the Triton versions whose launch path this module
+#: follows (3.5 to 3.9 at least): the compiled kernel's launcher with the grid, the stream, the function,
+#: the packed metadata, the launch metadata, the two hooks, then every bound parameter.
+_TRITON_LAUNCH = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
+                  "launch_metadata,")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_launches_as_replays_do() -> bool:
+    """Whether the installed Triton's ``JITFunction.run`` calls the compiled kernel's launcher exactly
+    as :meth:`Replay.launch` does (read from its source once), and has the binder and kernel cache
+    :func:`_same_kernel` reads."""
     try:
-        from triton import knobs  # noqa: F401  (both are what _same_kernel and Replay use)
-        from triton.runtime.jit import compute_cache_key  # noqa: F401
-    except ImportError:
+        from triton import knobs  # noqa: F401  (Replay reads the launch hooks there)
+        from triton.runtime.jit import JITFunction, compute_cache_key  # noqa: F401
+
+        source = " ".join(inspect.getsource(JITFunction.run).split())
+    except Exception:  # another Triton, or no source: launch through kernel[grid]
         return False
-    return True
+    return _TRITON_LAUNCH in source
 
 
 def _same_kernel(call: KernelCall, compiled) -> bool:
     """Whether Triton's binder maps ``call``'s parameters and options to ``compiled`` with the
     parameters in ``call.params``'s order: the look-up ``JITFunction.run`` makes before it launches
-    (``device_caches[device]`` → binder → ``compute_cache_key`` → kernel cache). False if any step is
-    missing or differs."""
+    (``device_caches[device]`` → binder → ``compute_cache_key`` → kernel cache), with no pre-run hook
+    (which a direct replay would skip). False if any step is missing or differs."""
     try:
         from triton import knobs
         from triton.runtime.driver import driver
         from triton.runtime.jit import compute_cache_key
 
         kernel = call.kernel
+        if getattr(kernel, "pre_run_hooks", None):
+            return False
         device = driver.active.get_current_device()
         kernel_cache, key_cache, _target, _backend, binder = kernel.device_caches[device]
         kwargs = dict(call.options)
@@ -107,6 +134,9 @@ def _same_kernel(call: KernelCall, compiled) -> bool:
 class Replay:
     """A launch recorded from ``call``, replayed with other tensors in the slots ``slots`` names.
 
+    It keeps no reference to the recording call's tensors (only the kernel, grid, options, the
+    parameters that are not slots, and each slot's dtype), so the cache never holds a caller's memory.
+
     Args:
         call: the launch as first made (its tensors are the recording call's).
         slots: ``(param_index, tensor_index)`` pairs: parameter ``param_index`` is the call's tensor
@@ -114,16 +144,25 @@ class Replay:
             (workspace tables, sizes, the signature, constexprs).
         compiled: what ``call.launch()`` returned (Triton's ``CompiledKernel``, or None).
         direct: use the compiled kernel's launcher (:func:`direct_launch_supported` for the device).
+        device_index: the CUDA device the launch was recorded on (a direct replay runs only while it is
+            current; otherwise ``kernel[grid]`` decides, as for a first call).
     """
 
-    __slots__ = ("call", "slots", "compiled", "direct", "_params", "_function", "_run", "_meta", "_hooks",
-                 "_sources", "_targets")
+    __slots__ = ("kernel", "grid", "options", "slots", "compiled", "direct", "device_index", "_template",
+                 "_dtypes", "_params", "_function", "_run", "_meta", "_hooks", "_sources", "_targets",
+                 "_current_device")
 
-    def __init__(self, call: KernelCall, slots: tuple, compiled, direct: bool):
-        self.call = call
+    def __init__(self, call: KernelCall, slots: tuple, compiled, direct: bool, device_index: int | None = None):
+        self.kernel, self.grid, self.options = call.kernel, call.grid, call.options
         self.slots = slots
         self.compiled = compiled
-        self._params = list(call.params)
+        self.device_index = device_index
+        template = list(call.params)
+        self._dtypes = tuple(template[i].dtype for i, _ in slots)  # what kernel[grid] binds in each slot
+        for i, _ in slots:
+            template[i] = None
+        self._template = tuple(template)
+        self._params = list(template)
         self.direct = bool(direct and compiled is not None and _same_kernel(call, compiled))
         if self.direct:  # compiled.run loads the module on first use (done by the recording launch)
             self.bind_launcher(compiled.run, compiled.function, compiled.packed_metadata)
@@ -136,6 +175,8 @@ class Replay:
 
         self.direct = True
         self._hooks = knobs.runtime  # launch_enter_hook / launch_exit_hook: a profiler's
+        # the current CUDA device's index (0.1 µs; torch.cuda.current_device is a Python wrapper of it)
+        self._current_device = getattr(torch._C, "_cuda_getDevice", lambda: None)
         self._run, self._function, self._meta = run, function, packed_metadata
         for i, _ in self.slots:
             self._params[i] = 0
@@ -144,17 +185,21 @@ class Replay:
         self._targets = tuple(tuple(i for i, j in self.slots if j == src) for src in self._sources)
 
     def launch(self, tensors: tuple, stream: int | None = None) -> None:
-        """Launch with ``tensors[j]`` in each slot ``(i, j)``. ``stream``: the raw CUDA stream
-        (``torch._C._cuda_getCurrentRawStream``), needed by a direct replay."""
-        if self.direct and self._hooks.launch_enter_hook is None and self._hooks.launch_exit_hook is None:
+        """Launch with ``tensors[j]`` in each slot ``(i, j)`` (any tensor with the recorded one's memory:
+        ``kernel[grid]`` gets it viewed as the recorded dtype, e.g. FP8 bytes as ``uint8``). ``stream``:
+        the raw CUDA stream (``torch._C._cuda_getCurrentRawStream``), needed by a direct replay."""
+        hooks = self._hooks if self.direct else None
+        if (hooks is not None and hooks.launch_enter_hook is None and hooks.launch_exit_hook is None
+                and self._current_device() == self.device_index):
             params = self._params  # integers only: no tensor stays referenced
             for j, targets in zip(self._sources, self._targets):
                 ptr = tensors[j].data_ptr()
                 for i in targets:
                     params[i] = ptr
-            self._run(self.call.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
+            self._run(self.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
             return
-        params = list(self.call.params)  # a copy: the replay keeps no reference to this call's tensors
-        for i, j in self.slots:
-            params[i] = tensors[j]
-        self.call.kernel[(self.call.grid,)](*params, **self.call.options)
+        params = list(self._template)
+        for (i, j), dtype in zip(self.slots, self._dtypes):
+            t = tensors[j]
+            params[i] = t if t.dtype is dtype else t.view(dtype)
+        self.kernel[(self.grid,)](*params, **self.options)
