@@ -158,7 +158,9 @@ class Replay:
         self.compiled = compiled
         self.device_index = device_index
         template = list(call.params)
-        self._dtypes = tuple(template[i].dtype for i, _ in slots)  # what kernel[grid] binds in each slot
+        # slots whose recorded tensor is a byte view (FP8 outputs): kernel[grid] gets the same view of the
+        # new tensor; every other slot's dtype is fixed by the call's key
+        self._dtypes = tuple((i, j, template[i].dtype) for i, j in slots if template[i].dtype == torch.uint8)
         for i, _ in slots:
             template[i] = None
         self._template = tuple(template)
@@ -199,7 +201,9 @@ class Replay:
             self._run(self.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
             return
         params = list(self._template)
-        for (i, j), dtype in zip(self.slots, self._dtypes):
-            t = tensors[j]
-            params[i] = t if t.dtype is dtype else t.view(dtype)
+        for i, j in self.slots:
+            params[i] = tensors[j]
+        for i, j, dtype in self._dtypes:
+            if params[i].dtype is not dtype:
+                params[i] = params[i].view(dtype)
         self.kernel[(self.grid,)](*params, **self.options)
