@@ -132,3 +132,60 @@ def launch_die_after_and_during_setup(rank: int, world_size: int, pid_dir: str) 
     workspace.Workspace._arm = die
     tpcomm.Communicator(timeout_s=1.0)
     return rank  # not reached
+
+
+def fail_close_create_cycles(ctx, cycles: int, timeout_s: float) -> dict:
+    """``cycles`` times: a new Communicator, one right call, then a failure, then ``close()`` on every rank.
+    Even cycles fail by a mismatch (rank 1 calls ``all_reduce`` where rank 0 calls the fused op on the
+    same tensor: both raise ``PeerMismatchError``); odd cycles by a skipped call (rank 1 skips, rank 0
+    raises ``PeerTimeoutError`` after ``timeout_s``). Returns snapshots before and after (fds, RSS, shm
+    mappings and files), what each cycle raised on this rank, and whether the right calls (one per cycle,
+    and one on a last communicator) were right."""
+    from tpcomm.errors import PeerMismatchError, PeerTimeoutError
+
+    device = torch.device("cpu")
+    rank, world = ctx.rank, ctx.world_size
+    x = torch.full((2, 32), float(rank + 1), dtype=torch.bfloat16)
+    w = torch.ones(32, dtype=torch.bfloat16)
+    total = float(sum(range(1, world + 1)))
+
+    def right_call(comm) -> bool:
+        return bool((comm.all_reduce(x) == total).all())
+
+    def cycle(i: int) -> tuple[str, bool]:
+        comm = tpcomm.Communicator(timeout_s=timeout_s)
+        try:
+            ok = right_call(comm) and right_call(comm)  # recorded, then replayed
+            seen = "none"
+            try:
+                if i % 2 == 0:
+                    if rank == 1:
+                        comm.all_reduce(x)
+                    else:
+                        comm.fused_add_rmsnorm(x, None, w)
+                elif rank != 1:
+                    comm.all_reduce(x)
+                comm.check()
+            except PeerMismatchError:
+                seen = "PeerMismatchError"
+            except PeerTimeoutError:
+                seen = "PeerTimeoutError"
+            dist.barrier()  # every rank has given up on the failed call
+            return seen, ok
+        finally:
+            comm.close()
+
+    cycle(0)
+    cycle(1)  # warm-up: both failure kinds compiled once
+    dist.barrier()
+    before = _snapshot(device)
+    seen, all_right = [], True
+    for i in range(cycles):
+        what, ok = cycle(i)
+        seen.append(what)
+        all_right &= ok
+    dist.barrier()
+    with tpcomm.Communicator() as last:
+        all_right &= right_call(last)
+    after = _snapshot(device)
+    return {"before": before, "after": after, "seen": seen, "right": all_right}

@@ -291,3 +291,48 @@ def test_repeated_calls_replay_the_first_calls_bits(monkeypatch, direct, algo):
                 [(e.replays[0].call.kernel.__name__, e.direct) for e in entries]
     finally:
         close_group(ranks)
+
+
+def test_fail_close_create_cycles_leak_nothing():
+    """20 times: a loopback group, a right call, a mismatch (rank 0 with a residual, rank 1 without:
+    ``PeerMismatchError``), close: every cycle raises, later groups work, and device memory and open files
+    come back to where they were."""
+    import gc
+    import os
+
+    from tpcomm import reference as R
+    from tpcomm.errors import PeerMismatchError
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(6144, device="cuda", dtype=torch.bfloat16)
+
+    def cycle():
+        ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=5.0)
+        try:
+            right = run_ranks(ranks, lambda rank: rank.all_reduce(x))
+            both = run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, x if rank.rank == 0 else None, w))
+            del both
+            torch.cuda.synchronize()
+            assert all(_same(y, R.reduce_in_rank_order([x, x])) for y in right)
+            try:
+                run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, x if rank.rank == 0 else None, w))
+            except PeerMismatchError:
+                pass  # a rank's call may already find the error its peer's kernel recorded
+            torch.cuda.synchronize()
+            for rank in ranks:
+                with pytest.raises(PeerMismatchError):
+                    rank.check()
+        finally:
+            close_group(ranks)
+
+    cycle()  # compiles and loads every kernel once
+    gc.collect()
+    torch.cuda.synchronize()
+    before = (torch.cuda.memory_allocated(), len(os.listdir("/proc/self/fd")))
+    for _ in range(20):
+        cycle()
+    gc.collect()
+    torch.cuda.synchronize()
+    after = (torch.cuda.memory_allocated(), len(os.listdir("/proc/self/fd")))
+    assert after[0] <= before[0] and after[1] <= before[1], f"(allocated bytes, open fds) {before} -> {after}"

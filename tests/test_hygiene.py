@@ -77,3 +77,27 @@ def test_a_rank_killed_during_set_up_leaves_nothing(killed):
     left = [p for p in killed["in_setup"] if os.path.exists(p)]
     check.that(left == [], f"left in /dev/shm by set-ups that were killed: {left}")
     check.done()
+
+
+#: Fail-close-create cycles (a mismatch or a peer timeout each), and the timeout of those that time out.
+FAIL_CYCLES = 20
+FAIL_TIMEOUT_S = 0.3
+
+
+def test_fail_close_create_cycles_leak_nothing(pools):
+    """After a failure, ``close()`` on every rank and a new communicator on the same group works, 20 times
+    in a row (mismatches and peer timeouts alternating), leaving no file descriptor, shared memory or
+    memory behind."""
+    results = pools.get(2).run(hygiene_cases.fail_close_create_cycles, FAIL_CYCLES, FAIL_TIMEOUT_S)
+    check = Checks()
+    for r, res in enumerate(results):
+        b, a = res["before"], res["after"]
+        expected = ["PeerMismatchError" if i % 2 == 0 else ("PeerTimeoutError" if r == 0 else "none")
+                    for i in range(FAIL_CYCLES)]
+        check.that(res["seen"] == expected, f"rank {r}: raised {res['seen']}, expected {expected}")
+        check.that(res["right"], f"rank {r}: a call on a new communicator after a failure was wrong")
+        check.that(a["fds"] <= b["fds"], f"rank {r}: open fds {b['fds']} -> {a['fds']}")
+        check.that(a["maps"] == b["maps"], f"rank {r}: tpcomm shm mappings {b['maps']} -> {a['maps']}")
+        check.that(a["files"] == 0, f"rank {r}: {a['files']} tpcomm files left in /dev/shm")
+        check.that(a["rss"] - b["rss"] <= RSS_SLACK, f"rank {r}: RSS grew {(a['rss'] - b['rss']) / 2**20:.1f} MiB")
+    check.done()
