@@ -311,8 +311,10 @@ def test_fail_close_create_cycles_leak_nothing():
         ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=5.0)
         try:
             right = run_ranks(ranks, lambda rank: rank.all_reduce(x))
-            both = run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, x if rank.rank == 0 else None, w))
-            del both
+            # both kernels loaded by matching calls first (a rank loading a binary while its peer's kernel
+            # spins could time out instead of seeing the mismatch)
+            run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, x, w))
+            run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, None, w))
             torch.cuda.synchronize()
             assert all(_same(y, R.reduce_in_rank_order([x, x])) for y in right)
             try:
