@@ -10,6 +10,8 @@
 #   bash benchmarks/session.sh loopback  # ONE GPU (kind nvidia-h200): the loopback tests (every algorithm,
 #                                        # 2 and 3 ranks on one GPU) and the FP8 quant tests, then decode
 #                                        # timings of kernel variants
+#   bash benchmarks/session.sh peer      # ONE GPU (carry [".whl"]): tpcomm bench --loopback (TRT-LLM beside),
+#                                        # then benchmarks/host_loopback.py (eager host time per call)
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz; the
 # exit status is 1 when a step's summary line records a non-zero rc.
@@ -106,8 +108,16 @@ loopback)
     timeout ${DECODE_S:-240} python3 benchmarks/dev_loopback.py --variants ${VARIANTS:-base,no_pdl} --replays 20 \
         --out $W > $W/dev_loopback.log 2>&1
     echo "dev_loopback rc=$?" >> $W/summary.txt ;;
+peer)
+    # One GPU (carry [".whl"]): tpcomm beside FlashInfer's TRT-LLM one-shot, both as loopback ranks, graph mode
+    # (tpcomm bench --loopback), then the eager host time of every op (benchmarks/host_loopback.py).
+    with_flashinfer timeout ${PEER_S:-360} python3 -m tpcomm bench --loopback --json $W/bench-loopback.json \
+        > $W/bench-loopback.log 2>&1
+    echo "bench-loopback rc=$?" >> $W/summary.txt
+    timeout ${HOST_S:-180} python3 benchmarks/host_loopback.py --out $W/host_loopback.json > $W/host_loopback.log 2>&1
+    echo "host_loopback rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"

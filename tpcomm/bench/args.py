@@ -42,10 +42,24 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                    help="most calls per graph (fewer for messages over 50 MiB, see set_bytes)")
     b.add_argument("--replays", type=positive_int, default=20, help="most timed replays per row")
     b.add_argument("--eps", type=non_negative_float, default=1e-6, help="RMSNorm epsilon (default 1e-6)")
+    b.add_argument("--loopback", action="store_true",
+                   help="ONE GPU: tpcomm's loopback ranks beside FlashInfer's TRT-LLM one-shot as loopback ranks "
+                        "(all-reduce, fused, fused FP8; bf16; graph mode; --world one size, default 2; --hidden "
+                        "default 4096,6144,8192; --tokens default 1,16,64,256,1024,4096; TRT-LLM up to 64 tokens)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``tpcomm bench`` from parsed arguments; returns the exit status."""
+    if args.loopback:
+        from .loopback import main as loopback_main
+
+        worlds = args.world or (2,)
+        if len(worlds) != 1:
+            print("tpcomm bench --loopback: --world takes one size")
+            return 2
+        return loopback_main(worlds[0], tuple(args.hidden or (4096, 6144, 8192)),
+                             tuple(args.tokens or (1, 16, 64, 256, 1024, 4096)), args.json,
+                             replays=args.replays, eps=args.eps)
     from .command import main
 
     modes = ("eager",) if args.eager else args.modes
