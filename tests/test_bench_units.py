@@ -175,3 +175,15 @@ def test_compare_fp8_dequantised():
 
 def test_tolerances_separate_rounding_from_a_lost_share():
     assert REL_TOL[torch.bfloat16] < 0.1 and REL_TOL[torch.float16] < REL_TOL[torch.bfloat16]
+
+
+def test_loopback_mode_takes_one_world_size_and_needs_a_gpu(capsys):
+    from tpcomm.bench.args import run_bench
+
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    assert run_bench(p.parse_args(["--loopback", "--world", "2,4"])) == 2
+    assert "one size" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert run_bench(p.parse_args(["--loopback"])) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out
