@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     d.add_argument("--quick", action="store_true", help="a smaller sweep")
+    d.add_argument("--model", choices=("llama", "gemma"), default=None,
+                   help="instead: a Hugging Face Llama (or Gemma 3) of seeded random weights, sharded over tpcomm, "
+                        "greedy decoding against the unsharded model (needs the hf extra)")
+    d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="with --model: one dtype (default both)")
+    d.add_argument("--steps", type=positive_int, default=8, help="with --model: greedy decode steps (default 8)")
 
     b = sub.add_parser("bench", help="time tpcomm against NCCL, torch symmetric memory and FlashInfer "
                                      "(GPU only)",
@@ -90,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpcomm {args.command}: {problem} (see `tpcomm check`)", file=sys.stderr)
             return 2
     if args.command == "demo":
+        if args.model:
+            from .models import demo as model_demo
+
+            return model_demo.main(args.model, device=args.device, world_size=args.world, dtype=args.dtype,
+                                   steps=args.steps)
         from . import demo
 
         return demo.main(device=args.device, world_size=args.world, quick=args.quick)

@@ -1,0 +1,7 @@
+"""Real models under tensor parallelism: Hugging Face ``transformers`` causal LMs sharded over tpcomm
+(:mod:`tpcomm.models.hf`; needs the optional ``hf`` extra, ``pip install -e ".[hf]"``), and the
+``tpcomm demo --model`` run that checks them against the unsharded model (:mod:`tpcomm.models.demo`)."""
+
+from .hf import GEMMA_LIKE, LLAMA_LIKE, ShardingError, shard
+
+__all__ = ["GEMMA_LIKE", "LLAMA_LIKE", "ShardingError", "shard"]
