@@ -69,7 +69,14 @@ class CallCache:
         self.max_entries = max_entries
 
     def get(self, key):
-        return self._entries.get(key) if key is not None else None
+        """The entry of ``key``, or None (also for a key that cannot be hashed: an argument of the wrong
+        type, which the full path then refuses)."""
+        if key is None:
+            return None
+        try:
+            return self._entries.get(key)
+        except TypeError:  # e.g. eps=[1e-6]: unhashable
+            return None
 
     def put(self, key, entry: CachedCall) -> None:
         entries = self._entries
@@ -119,11 +126,17 @@ _PARAMETER = torch.nn.Parameter
 
 
 def _plain(*tensors) -> bool:
-    """Whether every non-None argument is a plain tensor or a Parameter (subclasses take the full path)."""
+    """Whether every non-None argument is a plain tensor or a Parameter without a lazy negation
+    (subclasses, negative-bit views and anything else take the full path)."""
     for t in tensors:
-        if t is not None and type(t) is not _Tensor and type(t) is not _PARAMETER:
+        if t is not None and (type(t) is not _Tensor and type(t) is not _PARAMETER or t.is_neg()):
             return False
     return True
+
+
+def _tensor(t) -> bool:
+    """Whether ``t``, a required tensor argument, is a plain tensor or a Parameter."""
+    return (type(t) is _Tensor or type(t) is _PARAMETER) and not t.is_neg()
 
 
 def alignment(*tensors) -> int:
@@ -136,7 +149,7 @@ def alignment(*tensors) -> int:
 
 
 def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
-    if not _plain(x, out):
+    if not _tensor(x) or not _plain(out):
         return None
     if out is None or out is x:
         return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out is x, algorithm,
@@ -147,7 +160,7 @@ def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
 
 def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
               emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool) -> tuple | None:
-    if not _plain(x, residual, weight):
+    if not _tensor(x) or not _tensor(weight) or not _plain(residual):
         return None
     # which arguments are one object: the recorded slots follow that pattern
     key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.stride(), weight.device,
@@ -175,7 +188,7 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
 
 def dim_key(op: str, x, dim, algorithm: str, cuda: bool) -> tuple | None:
     """Key of ``all_gather`` / ``reduce_scatter``."""
-    if not _plain(x):
+    if not _tensor(x):
         return None
     return (op, x.shape, x.dtype, x.stride(), x.device, dim.__class__, dim, algorithm, alignment(x) if cuda else 0)
 

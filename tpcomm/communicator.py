@@ -171,8 +171,9 @@ class Communicator:
 
         return {"max_bytes": self.max_bytes, "TPCOMM_ALGO": self.algorithm, "tpcomm version": __version__,
                 "Triton version": triton.__version__,
-                "workspace layout": (min(self.max_bytes, dispatch.LAMPORT_MAX_BYTES), dispatch.TWO_SHOT_GRID_FACTOR,
-                                     dispatch.ALL_REDUCE_ROW, dispatch.MAX_BLOCK_H)}
+                "workspace layout": (f"LAMPORT_MAX_BYTES={dispatch.LAMPORT_MAX_BYTES}, "
+                                     f"TWO_SHOT_GRID_FACTOR={dispatch.TWO_SHOT_GRID_FACTOR}, "
+                                     f"ALL_REDUCE_ROW={dispatch.ALL_REDUCE_ROW}, MAX_BLOCK_H={dispatch.MAX_BLOCK_H}")}
 
     def _set_up(self) -> str | None:
         """Check that the ranks agree on :meth:`_agreed_settings`, then create the workspace if every rank
@@ -727,16 +728,18 @@ class Communicator:
         return self.workspace is not None
 
     def close(self) -> None:
-        """Free the workspace. Idempotent. Call it on every rank after the last op has completed."""
-        if self._closed:
-            return
-        self._closed = True
-        self._calls.clear()
-        if self.workspace is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.workspace.close()
-            self.workspace = None
+        """Free the workspace. Idempotent. Call it on every rank after the last op has completed; a call
+        still running in another thread finishes first (close waits for the lock every call holds)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._calls.clear()
+            if self.workspace is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.workspace.close()
+                self.workspace = None
 
     def __enter__(self) -> "Communicator":
         return self

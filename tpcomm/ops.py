@@ -406,10 +406,19 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
                emit_unquantized, out, residual_out, q_out, scales_out):
     """:func:`fused_add_rmsnorm` with given outputs: the missing ones allocated here, as the method would
     (so the op always has every output to mutate)."""
-    # residual_out that is the residual's own memory (the object or a view of all of it): in place, so
-    # the op never gets two mutable arguments that alias
+    # Outputs that are inputs themselves (the method refuses them; under torch.compile the op would get a
+    # functional copy, and the overlap would go unseen): refused here, where the objects are still known.
+    for name, t in (("out", out), ("residual_out", residual_out), ("q_out", q_out), ("scales_out", scales_out)):
+        for other_name, other in (("x", x), ("weight", weight)) + ((("residual", residual),) if name != "residual_out"
+                                                                    else ()):
+            if t is not None and t is other:
+                raise ValueError(f"fused_add_rmsnorm: {name} shares memory with {other_name}; outputs may overlap "
+                                 "no input and no other output (residual_out may be residual itself)")
+    # residual_out that is the residual's own memory (the object, or eagerly a view of all of it): in place,
+    # so the op never gets two mutable arguments that alias
     in_place = residual is not None and residual_out is not None and (
-        residual_out is residual or (residual_out.data_ptr() == residual.data_ptr()
+        residual_out is residual or (not torch.compiler.is_compiling()
+                                     and residual_out.data_ptr() == residual.data_ptr()
                                      and residual_out.shape == residual.shape
                                      and residual_out.stride() == residual.stride()
                                      and residual_out.dtype == residual.dtype))
@@ -464,7 +473,7 @@ def reduce_scatter(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``comm.reduce_scatter(x, dim)`` through the op ``tpcomm::reduce_scatter``: the sum over the ranks,
     this rank's share along ``dim`` (cut as ``torch.tensor_split(sum, world_size, dim)``: the first
     ``T % W`` ranks get one row more). Under ``torch.compile`` the output's shape depends on the rank,
-    which the op's fake implementation reads from the registered communicator.
+    which this wrapper passes to the op (its fake implementation computes the shape from it).
 
     Collective: every rank calls it with the same shape and dtype.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 from . import dispatch
@@ -28,8 +29,9 @@ def checked_limits(who: str, max_bytes, timeout_s) -> tuple[int, float]:
         TypeError: ``max_bytes`` is not an int, or ``timeout_s`` not a number.
         ValueError: either is out of range.
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
-        raise TypeError(f"{who}: max_bytes must be an int (bytes), got {type(max_bytes).__name__}")
+    if isinstance(max_bytes, (bool, np.bool_)) or not isinstance(max_bytes, numbers.Integral):
+        raise TypeError(f"{who}: max_bytes must be an int (bytes), got {_type_name(max_bytes)}")
+    max_bytes = int(max_bytes)  # numpy integers too
     if not 0 < max_bytes <= MAX_MAX_BYTES:
         raise ValueError(f"{who}: max_bytes must be in (0, {MAX_MAX_BYTES}], got {max_bytes}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
@@ -83,10 +85,17 @@ def overlapping(outputs: tuple, inputs: tuple, allowed: tuple = ()) -> tuple[int
     return None
 
 
+def _type_name(v) -> str:
+    """``int``, or ``numpy.bool`` for a type outside the builtins (so a message never says "got bool" of
+    a value that is not Python's bool)."""
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
 def check_tensor(op: str, name: str, t, device: torch.device) -> None:
     """``t`` is a tensor on ``device``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {_type_name(t)}")
     if t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but this communicator runs on {device}")
 
@@ -101,10 +110,10 @@ def check_dim(op: str, x: torch.Tensor, dim) -> int:
     """``dim`` normalised to ``[0, x.dim())``."""
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
-    return dim % x.dim()
+    return int(dim) % x.dim()
 
 
 def check_all_reduce_out(op: str, x: torch.Tensor, out: torch.Tensor, device: torch.device) -> None:
@@ -140,15 +149,15 @@ def check_fused_inputs(op: str, x, residual, weight, eps, gemma, emit_unquantize
                          "dimension")
     if not weight.is_floating_point():
         raise TypeError(f"{op}: weight has dtype {weight.dtype}; expected a float dtype")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # numpy scalars included
-        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):  # numpy scalars included
+        raise TypeError(f"{op}: eps must be a real number, got {_type_name(eps)}")
     eps = float(eps) + 0.0
     if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
         raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
     for name, flag in (("gemma", gemma), ("emit_unquantized", emit_unquantized),
                        ("column_major_scales", column_major_scales)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+            raise TypeError(f"{op}: {name} must be a bool (Python's True or False), got {_type_name(flag)}")
     return eps
 
 
@@ -196,5 +205,5 @@ def check_fp8_outputs(op: str, x, quant, q_out, scales_out, expected_scales: tor
             raise ValueError(f"{op}: scales_out has shape {tuple(scales_out.shape)} and dtype {scales_out.dtype}; "
                              f"expected {shape} and torch.float32")
         if any(st != want for st, want, n in zip(scales_out.stride(), strides, shape) if n > 1):
-            raise ValueError(f"{op}: scales_out has strides {tuple(scales_out.stride())}; expected {strides} "
-                             "(column_major_scales decides the layout)")
+            why = " (column_major_scales decides the layout)" if quant == "fp8_per_group" else " (row-major)"
+            raise ValueError(f"{op}: scales_out has strides {tuple(scales_out.stride())}; expected {strides}{why}")
