@@ -387,3 +387,97 @@ def replay_holds_no_tensor_case(ctx):
             checks.append((f"{name}, {which} call: tensors freed", all(ref() is None for ref in refs)))
     checks.append(("calls were recorded", len(comm._calls) == 4 and call_cache.MAX_ENTRIES >= 1))
     return checks
+
+
+def bad_argument_types_case(ctx):
+    """Arguments of the wrong type (None for a tensor, unhashable scalars), twice each: ``(what, first,
+    second)`` with what was raised (the key of such a call is skipped, so the full path names the
+    argument)."""
+    import numpy as np
+
+    comm = ctx.comm()
+    x, w = torch.ones(2, 32), torch.ones(32)
+    cases = {
+        "all_reduce(None)": lambda: comm.all_reduce(None),
+        "all_gather(None)": lambda: comm.all_gather(None),
+        "reduce_scatter(None)": lambda: comm.reduce_scatter(None),
+        "fused x=None": lambda: comm.fused_add_rmsnorm(None, None, w),
+        "fused weight=None": lambda: comm.fused_add_rmsnorm(x, None, None),
+        "fused eps=[1e-6]": lambda: comm.fused_add_rmsnorm(x, None, w, eps=[1e-6]),
+        "fused eps=np.array(1e-6)": lambda: comm.fused_add_rmsnorm(x, None, w, eps=np.array(1e-6)),
+        "fused gemma=[True]": lambda: comm.fused_add_rmsnorm(x, None, w, gemma=[True]),
+        "fused quant=[...]": lambda: comm.fused_add_rmsnorm(x, None, w, quant=["fp8_per_token"]),
+        "all_gather dim=[0]": lambda: comm.all_gather(x, dim=[0]),
+    }
+    comm.fused_add_rmsnorm(x, None, w)  # a valid key of the same shapes is cached
+    got = [(name, raised(call), raised(call)) for name, call in cases.items()]
+    ok_numpy_dim = _same(comm.all_gather(x, dim=np.int64(0)), comm.all_gather(x, dim=0))
+    return got, ok_numpy_dim
+
+
+def compiled_outputs_case(ctx):
+    """``tpcomm.ops``' given outputs under ``torch.compile(fullgraph=True, backend="aot_eager")``: a separate
+    ``out`` and ``residual_out``, the residual in place, FP8 into given ``q_out`` / ``scales_out``; each
+    equal to the eager method's bits. And ``out=x`` refused compiled too. Returns ``(what, ok)`` pairs."""
+    import torch._dynamo
+
+    comm = ctx.comm()
+    torch._dynamo.reset()
+    xs = all_inputs(21, ctx.world_size, (3, 32), torch.bfloat16)
+    x = xs[ctx.rank]
+    res, w = residual_input(21, (3, 32), torch.bfloat16), weight_input(21, 32, torch.bfloat16)
+    o_ref, ro_ref = comm.fused_add_rmsnorm(x, res, w)
+    q_ref, s_ref, _, _ = comm.fused_add_rmsnorm(x, res, w, quant="fp8_per_token")
+
+    def separate(x, r, w, out, ro):
+        return tops.fused_add_rmsnorm(comm, x, r, w, out=out, residual_out=ro)
+
+    def in_place(x, r, w, out):
+        return tops.fused_add_rmsnorm(comm, x, r, w, out=out, residual_out=r)
+
+    def fp8(x, r, w, q, s):
+        return tops.fused_add_rmsnorm(comm, x, r, w, quant="fp8_per_token", q_out=q, scales_out=s)
+
+    def onto_x(x, r, w):
+        return tops.fused_add_rmsnorm(comm, x, r, w, out=x)
+
+    checks = []
+    out, ro = torch.empty_like(x), torch.empty_like(x)
+    torch.compile(separate, fullgraph=True, backend="aot_eager")(x, res, w, out, ro)
+    checks.append(("separate out and residual_out", _same(out, o_ref) and _same(ro, ro_ref)))
+    r2, out2 = res.clone(), torch.empty_like(x)
+    torch.compile(in_place, fullgraph=True, backend="aot_eager")(x, r2, w, out2)
+    checks.append(("residual in place", _same(r2, ro_ref) and _same(out2, o_ref)))
+    q, s = torch.empty_like(q_ref), torch.empty_like(s_ref)
+    torch.compile(fp8, fullgraph=True, backend="aot_eager")(x, res, w, q, s)
+    checks.append(("FP8 into q_out and scales_out", _same(q, q_ref) and torch.equal(s, s_ref)))
+    x3 = x.clone()
+    err = raised(lambda: torch.compile(onto_x, fullgraph=True, backend="aot_eager")(x3, res, w))
+    checks.append((f"out=x refused compiled ({err})", err is not None and "out shares memory with x" in err[1]
+                   and _same(x3, x)))
+    return checks
+
+
+def close_while_calling_case(ctx):
+    """``close()`` from another thread while a call runs (the call on this thread: Triton's interpreter
+    runs kernels on one thread only): the call completes or raises a named error, the process does not
+    crash, the communicator ends closed. Returns ``(what the call did, closer still alive, closed)``."""
+    import threading
+    import time as _time
+
+    from tpcomm.errors import PeerTimeoutError
+
+    comm = tpcomm.Communicator(timeout_s=2.0)
+    x = torch.randn(16, 512)
+    comm.all_reduce(x)  # compiled and recorded
+    seen = []
+    closer = threading.Thread(target=lambda: (_time.sleep(0.005), comm.close()))
+    closer.start()
+    try:
+        for _ in range(3):
+            comm.all_reduce(x)
+        seen.append("completed")
+    except (RuntimeError, PeerTimeoutError) as e:
+        seen.append(type(e).__name__)
+    closer.join(timeout=30)
+    return seen, closer.is_alive(), comm.closed

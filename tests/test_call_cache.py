@@ -120,3 +120,24 @@ def test_replay_launches_with_the_new_tensors_in_its_slots():
 def test_direct_launch_needs_cuda_and_no_interpreter():
     assert not direct_launch_supported(torch.device("cpu"))
     assert not direct_launch_supported(torch.device("cuda", 0), enabled=False)
+
+
+def test_arguments_of_the_wrong_type_raise_the_named_errors(pool2):
+    for r, (found, numpy_dim) in enumerate(pool2.run(cases.bad_argument_types_case)):
+        assert numpy_dim, f"rank {r}: dim=np.int64(0)"
+        for name, first, second in found:
+            assert first is not None and first[0] in ("TypeError", "ValueError") and first == second, \
+                f"rank {r}: {name}: {first} then {second}"
+            op = name.split("(")[0].split(" ")[0]
+            op = {"fused": "fused_add_rmsnorm"}.get(op, op)
+            assert first[1].startswith(f"{op}: "), f"rank {r}: {name}: message {first[1]!r}"
+
+
+def test_given_outputs_under_torch_compile(pool2):
+    _assert_all(pool2.run(cases.compiled_outputs_case))
+
+
+def test_close_from_another_thread_during_a_call(pool2):
+    for r, (seen, alive, closed) in enumerate(pool2.run(cases.close_while_calling_case)):
+        assert not alive and closed and len(seen) == 1 and seen[0] in ("completed", "RuntimeError",
+                                                                       "PeerTimeoutError"), (r, seen)
