@@ -481,3 +481,22 @@ def close_while_calling_case(ctx):
         seen.append(type(e).__name__)
     closer.join(timeout=30)
     return seen, closer.is_alive(), comm.closed
+
+
+def negative_view_case(ctx):
+    """Inputs that are lazily negated views (``torch._neg_view``: the negative bit set, memory not
+    negated), first and repeated calls: the sums of the negated values. Returns ``(what, ok)`` pairs."""
+    comm = ctx.comm()
+    xs = all_inputs(31, ctx.world_size, (2, 32), torch.float32)
+    res, w = residual_input(31, (2, 32), torch.float32), weight_input(31, 32, torch.float32)
+    neg = [-t for t in xs]
+    s = reference.reduce_in_rank_order(neg)
+    o, ro = reference.add_rmsnorm_reference(s, res, w, 1e-6)
+    checks = []
+    for rep in range(2):
+        v = torch._neg_view(xs[ctx.rank])
+        checks.append((f"all_reduce #{rep}", _same(comm.all_reduce(v), s)))
+        got = comm.fused_add_rmsnorm(v, res, w)
+        checks.append((f"fused #{rep}", _same(got[0], o) and _same(got[1], ro)))
+        checks.append((f"all_gather #{rep}", _same(comm.all_gather(v), torch.cat(neg))))
+    return checks

@@ -141,3 +141,7 @@ def test_close_from_another_thread_during_a_call(pool2):
     for r, (seen, alive, closed) in enumerate(pool2.run(cases.close_while_calling_case)):
         assert not alive and closed and len(seen) == 1 and seen[0] in ("completed", "RuntimeError",
                                                                        "PeerTimeoutError"), (r, seen)
+
+
+def test_negative_bit_views_are_summed_as_their_values(pool2):
+    _assert_all(pool2.run(cases.negative_view_case))

@@ -266,6 +266,7 @@ class Communicator:
         self._check_open(op)
         validate.check_tensor(op, "x", x, self.device)
         validate.check_summable(op, x)
+        x = x.resolve_neg()  # a lazily negated view: the kernels read memory, so the negation is made real
         overlap = False
         given = out is not None
         if out is None:
@@ -338,10 +339,11 @@ class Communicator:
                 No given output may share memory with an input or another output.
         Returns:
             Without ``quant``: ``(out, residual_out)``, shaped like ``x`` (the given tensors, or new ones);
-            ``residual_out`` is None without a residual. With ``quant``: ``(q, scales, residual_out, out)``: ``q`` shaped like
-            ``x`` in ``fp8_dtype``; ``scales`` float32 ``(..., 1)`` per token or ``(..., H / group_size)``
-            per group; ``out`` None unless ``emit_unquantized``. Identical bits on every rank, for every
-            algorithm. Safe in CUDA graphs. Messages larger than ``max_bytes`` run in chunks of rows.
+            ``residual_out`` is None without a residual. With ``quant``: ``(q, scales, residual_out,
+            out)``: ``q`` shaped like ``x`` in ``fp8_dtype``; ``scales`` float32 ``(..., 1)`` per token
+            or ``(..., H / group_size)`` per group; ``out`` None unless ``emit_unquantized``. Identical
+            bits on every rank, for every algorithm. Safe in CUDA graphs. Messages larger than
+            ``max_bytes`` run in chunks of rows.
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
             TypeError: ``gemma``, ``emit_unquantized`` or ``column_major_scales`` is not a bool.
@@ -363,6 +365,9 @@ class Communicator:
         self._check_open(op)
         eps = validate.check_fused_inputs(op, x, residual, weight, eps, gemma, emit_unquantized,
                                           column_major_scales, self.device)
+        x, weight = x.resolve_neg(), weight.resolve_neg()  # lazily negated views made real (as all_reduce)
+        if residual is not None and residual.is_neg():
+            residual = residual.resolve_neg()
         if quant is None:
             check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized)
         validate.check_fused_outputs(op, x, residual, weight, quant, emit_unquantized, out, residual_out,
@@ -451,7 +456,7 @@ class Communicator:
         self._check_open(op)
         validate.check_tensor(op, "x", x, self.device)
         dim = validate.check_dim(op, x, dim)
-        return self._gather(op, x, dim, (tuple(x.shape), dim), key)
+        return self._gather(op, x.resolve_neg(), dim, (tuple(x.shape), dim), key)
 
     def _gather(self, op: str, x: torch.Tensor, dim: int, call: tuple, key=None) -> torch.Tensor:
         """:meth:`all_gather` of checked arguments. ``op`` and ``call`` (the user's call: its shape and
@@ -516,7 +521,7 @@ class Communicator:
         validate.check_tensor(op, "x", x, self.device)
         validate.check_summable(op, x)
         dim = validate.check_dim(op, x, dim)
-        return self._scatter(op, x, dim, (tuple(x.shape), dim), key)
+        return self._scatter(op, x.resolve_neg(), dim, (tuple(x.shape), dim), key)
 
     def _scatter(self, op: str, x: torch.Tensor, dim: int, call: tuple, key=None) -> torch.Tensor:
         """:meth:`reduce_scatter` of checked arguments; ``call`` and ``key`` as in :meth:`_gather`."""

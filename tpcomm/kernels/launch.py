@@ -62,7 +62,8 @@ class KernelCall:
             (params if name in names else options)[name] = value
         missing = [name for name in names if name not in params]
         if missing or len(args) > len(names):
-            raise TypeError(f"KernelCall: missing parameters {missing}" if missing else "KernelCall: too many arguments")
+            raise TypeError(f"KernelCall: missing parameters {missing}" if missing
+                            else "KernelCall: too many arguments")
         self.kernel = kernel
         self.grid = grid
         self.params = tuple(params[name] for name in names)
