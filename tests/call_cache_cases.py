@@ -318,6 +318,7 @@ def bad_outputs_case(ctx):
     comm = ctx.comm()
     x = torch.randn(2, 32).to(torch.bfloat16)
     res, w = torch.randn(2, 32).to(torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
+    _shared = torch.empty_like(x)
     cases = {
         "out of another dtype": lambda: comm.fused_add_rmsnorm(x, res, w, out=torch.empty(2, 32)),
         "out of another shape": lambda: comm.fused_add_rmsnorm(x, res, w, out=torch.empty(2, 16, dtype=x.dtype)),
@@ -330,6 +331,7 @@ def bad_outputs_case(ctx):
                                                                   out=torch.empty_like(x)),
         "ops: out with quant, no emit": lambda: tops.fused_add_rmsnorm(comm, x, res, w, quant="fp8_per_token",
                                                                        out=torch.empty_like(x)),
+        "ops: out is residual_out": lambda: tops.fused_add_rmsnorm(comm, x, res, w, out=_shared, residual_out=_shared),
         "q_out without quant": lambda: comm.fused_add_rmsnorm(
             x, res, w, q_out=torch.empty(2, 32, dtype=torch.float8_e4m3fn)),
         "q_out of another format": lambda: comm.fused_add_rmsnorm(

@@ -64,6 +64,7 @@ def test_bad_given_outputs_raise_naming_the_argument(pool2):
              "out is x": "out", "out is residual_out": "out", "residual_out without residual": "residual_out",
              "residual_out is x": "residual_out", "out with quant, no emit": "out",
              "ops: out with quant, no emit": "out",
+             "ops: out is residual_out": "out",
              "q_out without quant": "q_out", "q_out of another format": "q_out",
              "scales_out row-major for column-major": "scales_out", "scales_out of another shape": "scales_out",
              "scales_out float16": "scales_out"}

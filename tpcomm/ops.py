@@ -414,6 +414,13 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
             if t is not None and t is other:
                 raise ValueError(f"fused_add_rmsnorm: {name} shares memory with {other_name}; outputs may overlap "
                                  "no input and no other output (residual_out may be residual itself)")
+    given = [(n, t) for n, t in (("out", out), ("residual_out", residual_out), ("q_out", q_out),
+                                 ("scales_out", scales_out)) if t is not None]
+    for i, (name, t) in enumerate(given):
+        for other_name, other in given[i + 1:]:
+            if t is other:
+                raise ValueError(f"fused_add_rmsnorm: {name} shares memory with {other_name}; outputs may overlap "
+                                 "no input and no other output (residual_out may be residual itself)")
     # residual_out that is the residual's own memory (the object, or eagerly a view of all of it): in place,
     # so the op never gets two mutable arguments that alias
     in_place = residual is not None and residual_out is not None and (
