@@ -1,19 +1,23 @@
 """Decide once per call shape: the cached path of :class:`~tpcomm.Communicator`'s ops.
 
 A call's **key** holds everything its validation, plan and launches depend on: the op; each tensor
-argument's type, shape, dtype, strides and device; every scalar argument with its type (so ``eps=True``
-and ``eps=1`` differ, as validation tells them apart); the algorithm in force (``use_algorithm``,
-``TPCOMM_ALGO``); on CUDA, each pointer's 16-byte alignment (which Triton specialises on). The first call
+argument's type, shape, dtype, strides and device, and which arguments are one object; every scalar
+argument with its type (so ``eps=True`` and ``eps=1`` differ, as validation tells them apart); the
+algorithm in force (``use_algorithm``, ``TPCOMM_ALGO``); on CUDA, each pointer's 16-byte alignment
+(which Triton specialises on). A call whose arguments give no key (None for a tensor, an unhashable
+scalar) takes the full path, which names the argument. The first call
 with a key runs the full path: it validates, plans, compiles and launches, and records each launch as a
 :class:`~tpcomm.kernels.launch.Replay` whose tensor parameters are slots for the call's tensors. A later
 call with the same key checks what two such calls can still differ in (the communicator is open, no
-error is recorded, an ``out`` that overlaps ``x`` in part), allocates its outputs, and replays the
+error is recorded, an ``out`` that overlaps ``x`` in part, given outputs that overlap an input),
+allocates its outputs, and replays the
 launches with its own tensors: the same kernels, grids and parameters, so the same bits.
 
 Only calls whose validation passed are recorded, so an invalid call never matches a key and raises what
 the full path raises, on every call. Calls that are not recorded, and take the full path every time:
-non-contiguous tensors (the full path copies them), tensor subclasses, chunked launches whose tensors
-are views, the fallback, integer sums, all-gathers moved as bytes, ``dim != 0``, empty tensors.
+non-contiguous tensors (the full path copies them), tensor subclasses and negative-bit views, chunked
+launches whose tensors are views, the fallback, integer sums, all-gathers moved as bytes, ``dim != 0``,
+empty tensors.
 
 The cache is per communicator and bounded (``MAX_ENTRIES``, oldest first out).
 """
