@@ -81,20 +81,10 @@ def host_us(ranks, fn, calls):
 
 
 def graph_us(ranks, fn, calls=50, replays=20):
-    from tpcomm.loopback import run_ranks
+    """Graph-mode µs per call of ``fn(rank)`` (:func:`tpcomm.bench.loopback.graph_us`)."""
+    from tpcomm.bench.loopback import graph_us as timed
 
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run_ranks(ranks, lambda rank: [fn(rank) for _ in range(calls)])
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
+    return timed(lambda r: fn(ranks[r]), [rank.stream for rank in ranks], calls, replays)
 
 
 def main():
