@@ -99,8 +99,12 @@ def main():
                     results.append(("one_shot", dt, block, tiles, quant, norm,
                                     build(one_shot._one_shot_kernel, t, ce, warps)))
                     if dt == "bf16":
+                        vectors = tiles == 1  # as lamport_call picks them (H a multiple of 8)
                         results.append(("lamport", dt, block, tiles, quant, norm,
-                                        build(lamport._lamport_kernel, t, ce, warps)))
+                                        build(lamport._lamport_kernel, t,
+                                              dict(ce, VECTORS=vectors,
+                                                   REARM_IN_SPIN=vectors and block // 8 >= 32 * warps,
+                                                   PREFETCH=vectors and norm and res), warps)))
                     for scatter in (False, True):
                         if scatter and (norm or quant):
                             continue

@@ -281,7 +281,7 @@ class Communicator:
         if plan.algorithm == "push":  # an integer sum
             out.copy_(self._integer_sum(op, x, (tuple(x.shape),)).view(x.shape))
             return out
-        width = dispatch.all_reduce_width(n, x.element_size(), self.workspace)
+        width = dispatch.all_reduce_width(n, x.element_size(), self.workspace, plan.algorithm)
         if plan.algorithm == "fallback":
             out.copy_(reference.all_reduce_reference(x, self.group))
             return out

@@ -44,6 +44,9 @@ TWO_SHOT_GRID_FACTOR = 2
 #: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many
 #: elements (the result is elementwise, so the width never changes a bit).
 ALL_REDUCE_ROW = 4096
+#: Row width of a plain all-reduce that runs Lamport when it makes fewer rows per program than
+#: ``ALL_REDUCE_ROW`` (:func:`all_reduce_width`; docs/benchmarks.md, "Decode kernels").
+LAMPORT_ALL_REDUCE_ROW = 8192
 
 
 @dataclass(frozen=True)
@@ -297,11 +300,17 @@ def is_integer(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
-def all_reduce_width(n: int, element_size: int, workspace=None) -> int:
-    """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``, or less so
+def all_reduce_width(n: int, element_size: int, workspace=None, algorithm: str = "") -> int:
+    """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``
+    (``LAMPORT_ALL_REDUCE_ROW`` for an all-reduce whose plan is ``algorithm="lamport"`` when that puts
+    fewer rows on each of the ``workspace``'s ``max_programs`` programs), or less so
     that one row fits a slot of a small ``workspace`` (then the call runs in chunks instead of falling
-    back)."""
+    back). The result is elementwise, so the width never changes a bit."""
     width = max(1, min(n, ALL_REDUCE_ROW))
+    if algorithm == "lamport" and workspace is not None:  # wider rows when that means fewer per program
+        per_program = lambda w: -(-(-(-n // w)) // workspace.max_programs)  # noqa: E731
+        if per_program(LAMPORT_ALL_REDUCE_ROW) < per_program(width):
+            width = min(n, LAMPORT_ALL_REDUCE_ROW)
     if workspace is not None:
         width = min(width, max(16, workspace.half_slot_elems(element_size) // 16 * 16))
     return width

@@ -5,7 +5,7 @@ Every rank holds one buffer of the same size, mapped by every other rank of the 
     [ signal pad: int64 flags [2 parities][2 phases][pad_programs: 2 * max_programs][world_size], padded to 256 bytes ]
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
     [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
-    [ Lamport call tags: int32 [2 parities][max_programs][world_size], every word 0x80008000 ]
+    [ Lamport call tags: int64 [2 parities][max_programs][world_size], every 16-bit half 0x8000 ]
 
 Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it. Two int64 tables on the
 kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
@@ -96,7 +96,7 @@ class Workspace:
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
         self.data_bytes = 2 * self.world_size * self.slot_bytes
         self.lamport_bytes = 2 * self.world_size * self.lamport_slot_bytes
-        self.tag_bytes = _round_up(2 * self.world_size * max_programs * 4, _ALIGN)
+        self.tag_bytes = _round_up(2 * self.world_size * max_programs * 8, _ALIGN)
         self.total_bytes = self.flag_bytes + self.data_bytes + self.lamport_bytes + self.tag_bytes
         self.timeout_s = timeout_s
         # nanoseconds, as the kernels' waits count them; at least 1, since 0 means "an earlier wait failed"
@@ -248,9 +248,10 @@ class Workspace:
         return self.half_slot_elems(element_size) // self.row_stride(hidden, element_size)
 
     def tag_offset(self) -> int:
-        """int32 elements from a rank's Lamport base to its call tags (the Lamport kernel's signature
-        check: one tag per parity, sending rank and program, holding the call's signature)."""
-        return self.lamport_bytes // 4
+        """int64 elements from a rank's Lamport base to its call tags (the Lamport kernel's signature
+        check: one tag per parity, sending rank and program, holding the call's signature and epoch:
+        :func:`tpcomm.kernels.spin.tag_value`)."""
+        return self.lamport_bytes // 8
 
     def lamport_rows_per_launch(self, hidden: int, element_size: int) -> int:
         """Rows of ``hidden`` 16-bit elements one Lamport launch can carry."""

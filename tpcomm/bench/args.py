@@ -46,6 +46,8 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                    help="ONE GPU: tpcomm's loopback ranks beside FlashInfer's TRT-LLM one-shot as loopback ranks "
                         "(all-reduce, fused, fused FP8; bf16; graph mode; --world one size, default 2; --hidden "
                         "default 4096,6144,8192; --tokens default 1,16,64,256,1024,4096; TRT-LLM up to 64 tokens)")
+    b.add_argument("--programs", type=positive_int, default=None,
+                   help="with --loopback: tpcomm's grid cap (default: tpcomm.loopback's, SMs / (4 x world))")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -59,7 +61,7 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         return loopback_main(worlds[0], tuple(args.hidden or (4096, 6144, 8192)),
                              tuple(args.tokens or (1, 16, 64, 256, 1024, 4096)), args.json,
-                             replays=args.replays, eps=args.eps)
+                             replays=args.replays, eps=args.eps, max_programs=args.programs)
     from .command import main
 
     modes = ("eager",) if args.eager else args.modes

@@ -21,6 +21,7 @@ grid outgrows what two ranks can keep resident on one GPU, and it spun), and it 
 sizes it supports (2, 4, 8, 16).
 
     python -m tpcomm bench --loopback [--world 2] [--hidden 4096,6144,8192] [--tokens 1,16,64,256,1024,4096]
+                                      [--programs N]
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def graph_us(issue, ranks_streams, calls: int, replays: int) -> float:
     """µs per call: ``issue(r)`` (one call of rank ``r``) ``calls`` times on each rank's stream, captured
-    in one graph; median over ``replays`` replays."""
-    current = torch.cuda.current_stream()
+    in one graph; median over ``replays`` replays. Each rank's stream forks from, and joins, the stream
+    current when the calls are issued (inside the capture: the capturing stream)."""
 
     def all_ranks(n):
+        current = torch.cuda.current_stream()
         for r, s in enumerate(ranks_streams):
             s.wait_stream(current)
             with torch.cuda.stream(s):
@@ -96,10 +98,11 @@ def graph_us(issue, ranks_streams, calls: int, replays: int) -> float:
 
 
 # -- tpcomm ----------------------------------------------------------------------------------------------
-def _tpcomm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -> list[dict]:
+def _tpcomm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float,
+                 max_programs: int | None = None) -> list[dict]:
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
-    ranks = loopback_group(W, timeout_s=20.0)
+    ranks = loopback_group(W, timeout_s=20.0, max_programs=max_programs)
     rows = []
     try:
         for T in tokens:
@@ -114,6 +117,7 @@ def _tpcomm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -
                 ok = all(torch.equal(g.view(torch.uint8), e.view(torch.uint8)) for per in got
                          for g, e in zip(per, want[op]))
                 row = dict(library="tpcomm", op=op, tokens=T, hidden=H, world=W, checked=ok,
+                           max_programs=ranks[0].workspace.max_programs,
                            algorithm=ranks[0].plan("all_reduce" if op == "all_reduce" else "fused_add_rmsnorm",
                                                    T * H * 2, H, torch.bfloat16).algorithm)
                 if ok:
@@ -167,7 +171,7 @@ class TrtllmLoopback:
                                        rms_gamma=w, rms_eps=eps, **common)
 
 
-def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -> list[dict]:
+def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float, max_programs=None) -> list[dict]:
     import warnings
 
     warnings.simplefilter("ignore")
@@ -215,29 +219,35 @@ def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -
 
 
 # -- driver --------------------------------------------------------------------------------------------------
-def child(library: str, W: int, H: int, tokens, calls: int, replays: int, eps: float) -> list[dict]:
+def child(library: str, W: int, H: int, tokens, calls: int, replays: int, eps: float,
+          max_programs: int | None = None) -> list[dict]:
     """One library at one hidden size, in this process (the child of :func:`main`)."""
     run = _tpcomm_rows if library == "tpcomm" else _trtllm_rows
-    return run(W, H, tokens, calls, replays, eps)
+    return run(W, H, tokens, calls, replays, eps, max_programs)
 
 
-def _run_child(library: str, W: int, H: int, tokens, calls: int, replays: int, eps: float) -> tuple[list, str]:
+def _run_child(library: str, W: int, H: int, tokens, calls: int, replays: int, eps: float,
+               max_programs: int | None = None) -> tuple[list, str]:
     cmd = [sys.executable, "-m", "tpcomm.bench.loopback", library, str(W), str(H), ",".join(map(str, tokens)),
-           str(calls), str(replays), repr(eps)]
+           str(calls), str(replays), repr(eps), str(max_programs or 0)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=dict(os.environ))
     except subprocess.TimeoutExpired:
-        return [], f"{library} at hidden {H}: no result within {CHILD_TIMEOUT_S:.0f} s (killed)"
+        return [], f"{library} at hidden {H}, tokens {tokens}: no result within {CHILD_TIMEOUT_S:.0f} s (killed)"
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ROWS ")]
     if done.returncode or not lines:
-        return [], f"{library} at hidden {H}: exit {done.returncode}: {done.stderr.strip()[-600:]}"
+        return [], f"{library} at hidden {H}, tokens {tokens}: exit {done.returncode}: {done.stderr.strip()[-600:]}"
     return json.loads(lines[-1][5:]), ""
 
 
 def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256, 1024, 4096),
-         json_path: str | None = None, calls: int = 50, replays: int = 20, eps: float = 1e-6) -> int:
+         json_path: str | None = None, calls: int = 50, replays: int = 20, eps: float = 1e-6,
+         max_programs: int | None = None) -> int:
     """Run both libraries at every hidden size; print a table of µs per call and tpcomm / TRT-LLM; write
-    JSON. Returns 1 when a tpcomm output was wrong, else 0 (FlashInfer missing or failing is reported)."""
+    JSON. tpcomm runs one child for the token counts up to 256 and one per larger count, so that a
+    failure loses only its own rows. ``max_programs``: tpcomm's loopback grid cap (None: the default
+    of :func:`tpcomm.loopback.loopback_group`). Returns 1 when a tpcomm output was wrong or a tpcomm
+    child failed, else 0 (FlashInfer missing or failing is reported)."""
     from tabulate import tabulate
 
     if not torch.cuda.is_available():
@@ -251,9 +261,11 @@ def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256
     except Exception as e:  # not installed: the tpcomm rows still run
         have_fi, notes = False, [f"FlashInfer not available ({type(e).__name__}: {e})"]
     for H in hiddens:
-        got, note = _run_child("tpcomm", world_size, H, tokens, calls, replays, eps)
-        rows += got
-        notes += [note] if note else []
+        groups = [tuple(t for t in tokens if t <= 256)] + [(t,) for t in tokens if t > 256]
+        for group in (g for g in groups if g):
+            got, note = _run_child("tpcomm", world_size, H, group, calls, replays, eps, max_programs)
+            rows += got
+            notes += [note] if note else []
         if have_fi and world_size in FI_WORLDS and fi_tokens:
             got, note = _run_child("trtllm", world_size, H, fi_tokens, calls, replays, eps)
             rows += got
@@ -278,11 +290,13 @@ def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(dict(world=world_size, calls=calls, replays=replays, torch=torch.__version__,
+                           max_programs=max_programs,
                            device=torch.cuda.get_device_name(), rows=rows, notes=notes), f, indent=1)
     return 1 if bad or any("tpcomm at" in n for n in notes) else 0
 
 
 if __name__ == "__main__":
-    lib, W, H, toks, n_calls, n_replays, e = sys.argv[1:8]
-    out = child(lib, int(W), int(H), [int(t) for t in toks.split(",")], int(n_calls), int(n_replays), float(e))
+    lib, W, H, toks, n_calls, n_replays, e, programs = sys.argv[1:9]
+    out = child(lib, int(W), int(H), [int(t) for t in toks.split(",")], int(n_calls), int(n_replays), float(e),
+                int(programs) or None)
     print("ROWS " + json.dumps(out), flush=True)

@@ -35,81 +35,98 @@ import triton.language as tl
 from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_quant_args, preload_row,
                        reduce_norm_row, round_to)
 from .quant import widen
+from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .launch import KernelCall
 from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
                    record_timeout)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
-#: An unwritten call tag: two sentinels read as one int32 (0x80008000); signatures are positive.
-TAG_SENTINEL = tl.constexpr(-2147450880)
 
 
 @triton.jit
-def _poll_code(p, mask, tag_ptr, signature, waited, timeout):
+def _poll_code(p, mask, tag_ptr, want_low, signature, waited, timeout):
     """One round of :func:`_poll_tile`'s wait: ``(code, tile)``, the block-wide max of its per-lane code
     (see there) and the tile as loaded."""
     seen = tl.load(tag_ptr, volatile=True)
+    low = (seen & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
     tile = tl.load(p, mask=mask, other=0.0, volatile=True)
     bits = tile.to(tl.int16, bitcast=True)
-    missing = (bits == SENTINEL) | (seen == TAG_SENTINEL)  # per lane
-    code = ((bits == SENTINEL).to(tl.int32) + tl.where(seen == TAG_SENTINEL, 2, 0)
+    missing = (bits == SENTINEL) | (low != want_low)  # per lane
+    code = ((bits == SENTINEL).to(tl.int32) + tl.where(low != want_low, 2, 0)
             + tl.where(missing & (waited >= timeout), 4, 0)  # expired: only where something is missing
-            + tl.where((seen != signature) & (seen != TAG_SENTINEL), 8, 0))
+            + tl.where(((seen >> 32).to(tl.int32) != signature) & (low == want_low), 8, 0))
     return tl.max(code, axis=0), tile
 
 
 @triton.jit
-def _poll_tile(x_row_ptr, recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
-               timeout, err_ptr, state_ptr, WORLD: tl.constexpr, SUM: tl.constexpr):
-    """Spin until, for every peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) has arrived
-    and no element of this tile in ``q``'s slot holds the sentinel (bounded). A tag with another
-    signature ends the wait at once and records ``ERR_MISMATCH``; an expired wait records
-    ``ERR_TIMEOUT``. Returns ``(acc, timeout)``: with ``SUM``, the tile summed over the ranks in rank
-    order in float32 from +0.0 (this rank's own row read from ``x_row_ptr``, every peer's as the last
-    round of its poll loaded it: the same additions as ``epilogue.reduce_tile``, without reading the
-    buffer again; -0.0 pushed as +0.0 adds the same; keep the two in step), else zeros; and the timeout
-    left for later waits: ``timeout``, or 0 once a wait failed (``acc`` is then undefined). Reading the
-    tiles again after the wait cost 0.3-0.5 µs a call: fused 1 / 16 x 6144 bf16 4.96 / 5.82 µs against
-    5.46 / 6.21, all-reduce 3.13 against 3.45 (loopback ranks on one H200, ``benchmarks/dev_loopback.py
-    --variants base,lamport_reload``, docs/benchmarks.md).
-
-    The tag is polled in the same loop as the data, not in a wait of its own before it: that wait cost
-    0.18-1.01 µs a call at 1-64 x 6144 bf16 against no tag at all, and polling it in the loop instead came
-    out about even (fused -0.19 to +0.05 µs, FP8 +0.22 to +0.35, all-reduce -0.25 to +0.29; loopback on
-    one H200, ``benchmarks/dev_loopback.py``, docs/benchmarks.md); it is kept for its exit, the same in
-    every thread (below). Tags are re-armed at the kernel's end, after the barrier that precedes the last
-    re-arming of data, so later rows of the program find the signature still there.
+def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
+               timeout, err_ptr, state_ptr, WORLD: tl.constexpr):
+    """The wait of rows of several tiles: spin until, for every peer ``q``, this program's call tag from
+    ``q`` (``tag_ptr + q``) carries this epoch and no element of this tile in ``q``'s slot holds the
+    sentinel (bounded). A tag of this epoch with another signature ends the wait at once and records
+    ``ERR_MISMATCH``; an expired wait records ``ERR_TIMEOUT``. Returns the timeout left for later
+    waits: ``timeout``, or 0 once a wait failed. The epilogue then reads the tiles again.
 
     Every thread loads the tag and reads the clock itself, so threads may disagree on both; the loop's
     condition is therefore one block-wide max of a per-lane code (1: this element holds the sentinel,
-    2: this thread sees no tag yet, 4: this thread's wait expired with one of those still missing, 8:
-    this thread sees another call's tag), the same value in every thread: the reduction's barriers
-    inside the loop are reached by every warp the same number of times. A timeout of 0 (an earlier wait
-    failed) leaves at once, and the call then counts as failed whatever arrived (the error recorded
-    first stays)."""
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    if SUM:
-        own = widen(tl.load(x_row_ptr + cols, mask=mask, other=0.0))  # issued before the wait
+    2: this thread sees no tag of this epoch yet, 4: this thread's wait expired with one of those still
+    missing, 8: this thread sees this epoch's tag with another call's signature), the same value in
+    every thread: the reduction's barriers inside the loop are reached by every warp the same number of
+    times. A timeout of 0 (an earlier wait failed) leaves at once, and the call then counts as failed
+    whatever arrived (the error recorded first stays)."""
+    want_low = tag_low(epoch)
     for q in tl.static_range(WORLD):
-        if q == rank:
-            if SUM:
-                acc += own
-        else:
+        if q != rank:
             p = recv_row_ptr + q * slot_stride + cols
             start = now_ns()
             waited = start - start
-            code, tile = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
+            code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, timeout)
             while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
                 waited = now_ns() - start
-                code, tile = _poll_code(p, mask, tag_ptr + q, signature, waited, timeout)
+                code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, timeout)
             if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if code >= 8:
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
             timeout = tl.where((code != 0) | (timeout == 0), 0, timeout)
-            if SUM:
-                acc += widen(tile)
+    return timeout
+
+
+@triton.jit
+def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, rank, epoch,
+              program, signature, timeout, err_ptr, state_ptr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+              REARM: tl.constexpr, DTYPE: tl.constexpr):
+    """The wait of a row of one tile, every thread on its own 16-byte vectors (:func:`spin.spin_vectors`),
+    and the row's sum: ``(acc, timeout)``, ``acc`` the tile summed over the ranks in rank order in float32
+    from +0.0 (this rank's row ``own``, float32, every peer's as its spin loaded it: the additions
+    of ``epilogue.reduce_tile``; -0.0 pushed as +0.0 adds the same), and the timeout left for later
+    waits (0 once a wait failed; ``acc`` is then undefined). ``recv_words_ptr``: int32 pointer to this
+    row in slot 0 of this rank's receive buffer; ``slot_words``: int32 words between slots. Statuses are
+    combined once, after every peer's spin: one block-wide max of ``status * 256 + peer``, so the error
+    recorded names a peer that made another call before one that timed out. With ``REARM`` each
+    thread re-armed its vectors inside its spin; otherwise the caller re-arms after a barrier.
+    Requires ``H``, ``numel`` and the row's start to be multiples of 8 elements (whole vectors)."""
+    vi = tl.arange(0, BLOCK_H // 8)
+    active = (vi * 8 < H) & (row_start + vi * 8 < numel)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    want_low = tag_low(epoch)
+    deadline = now_ns() + timeout.to(tl.int64)
+    fault = tl.zeros([BLOCK_H // 8], dtype=tl.int32)
+    for q in tl.static_range(WORLD):
+        if q == rank:
+            acc += own
+        else:
+            w0, w1, w2, w3, status = spin_vectors(recv_words_ptr + q * slot_words + vi * 4, active, tag_ptr + q,
+                                                  want_low, signature, deadline, REARM)
+            fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
+            acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
+    worst = tl.max(fault, axis=0)
+    if worst >= 512:
+        record_error(err_ptr, state_ptr, ERR_MISMATCH, worst % 256, epoch, program, signature)
+    elif (worst >= 256) & (timeout > 0):  # timeout 0: an earlier error is recorded already
+        record_timeout(err_ptr, state_ptr, worst % 256, epoch, program, signature)
+    timeout = tl.where(worst != 0, 0, timeout)
     return acc, timeout
 
 
@@ -121,7 +138,8 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                     QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                    GROUP: tl.constexpr, PDL: tl.constexpr):
+                    GROUP: tl.constexpr, PDL: tl.constexpr, VECTORS: tl.constexpr, REARM_IN_SPIN: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch = read_epoch(state_ptr, PDL)
@@ -142,58 +160,72 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                 if q != rank:
                     dst = peer_ptr(buf_table_ptr, q, tl.int16)
                     tl.store(dst + dst_off + cols, bits, mask=mask)
-    # ... and this program's call tag (the call's signature) into each peer's tag [par][pid][rank].
+    # ... and this program's call tag (signature and epoch) into each peer's tag [par][pid][rank].
     tag_idx = tag_off + (par * max_programs + pid) * WORLD
+    tag = tag_value(epoch, signature)
     for q in tl.static_range(WORLD):
         if q != rank:
-            tl.store(peer_ptr(buf_table_ptr, q, tl.int32) + tag_idx + rank, signature)
+            tl.store(peer_ptr(buf_table_ptr, q, tl.int64) + tag_idx + rank, tag)
 
     # The first row's residual and the weight, loaded now so that their latency hides under the wait.
     PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
-    SUM_FROM: tl.constexpr = SUM_GIVEN if NUM_TILES == 1 else SUM_REDUCE
+    SUM_FROM: tl.constexpr = SUM_GIVEN if VECTORS else SUM_REDUCE
     if PRELOAD:
         res_pre, w_pre = preload_row(res_ptr + pid * H, w_ptr, pid * H, numel, H, BLOCK_H, HAS_RESIDUAL)
     else:
         res_pre, w_pre = offs, offs
 
-    # 2. Per row: wait for every peer's tiles and call tag, reduce + epilogue, re-arm the tiles read.
-    tags = peer_ptr(buf_table_ptr, rank, tl.int32) + tag_idx
+    # 2. Per row: wait for every peer's tiles and call tag, reduce + epilogue, re-arm the tiles read
+    #    (inside the wait with REARM_IN_SPIN: no barrier).
+    tags = peer_ptr(buf_table_ptr, rank, tl.int64) + tag_idx
     recv = peer_ptr(buf_table_ptr, rank, x_ptr.dtype.element_ty) + par * parity_stride
     recv_bits = peer_ptr(buf_table_ptr, rank, tl.int16) + par * parity_stride
+    recv_words = peer_ptr(buf_table_ptr, rank, tl.int32) + par * (parity_stride // 2)
+    if VECTORS:  # this rank's first row, issued before the wait
+        own = widen(tl.load(x_ptr + pid * H + offs, mask=(offs < H) & (pid * H + offs < numel), other=0.0))
+    else:
+        own = offs.to(tl.float32)
     for row in range(pid, n_rows, num_programs):
         row_start = row * H
-        if NUM_TILES == 1:  # the sum as the poll loaded the tiles (rows of several tiles read them again)
-            mask = (offs < H) & (row_start + offs < numel)
-            acc, timeout = _poll_tile(x_ptr + row_start, recv + row * row_stride, slot_stride, offs, mask, tags,
-                                      rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD, True)
+        if VECTORS:  # one tile, every thread on its own 16-byte vectors
+            acc, timeout = _spin_row(own, recv_words + row * (row_stride // 2), slot_stride // 2,
+                                     row_start, numel, H, tags, rank, epoch, pid, signature,
+                                     timeout, err_ptr, state_ptr, WORLD, BLOCK_H, REARM_IN_SPIN,
+                                     x_ptr.dtype.element_ty)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
-        else:
+        elif NUM_TILES == 1:  # the sum as the poll loaded the tile
+            mask = (offs < H) & (row_start + offs < numel)
+            timeout = _poll_tile(recv + row * row_stride, slot_stride, offs, mask, tags, rank, epoch, pid,
+                                 signature, timeout, err_ptr, state_ptr, WORLD)
+            s_pre = offs
+        else:  # rows of several tiles read them again
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = (cols < H) & (row_start + cols < numel)
-                _, timeout = _poll_tile(x_ptr + row_start, recv + row * row_stride, slot_stride, cols, mask,
-                                        tags, rank, epoch, pid, signature, timeout, err_ptr, state_ptr, WORLD,
-                                        False)
+                timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, tags, rank, epoch, pid,
+                                     signature, timeout, err_ptr, state_ptr, WORLD)
             s_pre = offs
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
-                        row_start, numel, H, eps, rank, res_pre, w_pre, row == pid, s_pre,
+                        row_start, numel, H, eps, rank, res_pre, w_pre, (row == pid) | PREFETCH, s_pre,
                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_FROM,
                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)
-        tl.debug_barrier()
-        for t in tl.static_range(NUM_TILES):
-            cols = t * BLOCK_H + offs
-            mask = (cols < H) & (row_start + cols < numel)
-            for q in tl.static_range(WORLD):
-                if q != rank:
-                    tl.store(recv_bits + q * slot_stride + row * row_stride + cols,
-                             tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
-    # 3. Re-arm the call tags: every thread's last load of them came before the barrier above (every
-    #    program has at least one row: the grid is at most n_rows).
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            tl.store(tags + q, TAG_SENTINEL)
+        if VECTORS:  # the next row of this program: its own input and residual, before its wait
+            nxt = row_start + num_programs * H
+            nmask = (offs < H) & (nxt + offs < numel)
+            own = widen(tl.load(x_ptr + nxt + offs, mask=nmask, other=0.0))
+            if PREFETCH:
+                res_pre = tl.load(res_ptr + nxt + offs, mask=nmask, other=0.0)
+        if not REARM_IN_SPIN:
+            tl.debug_barrier()
+            for t in tl.static_range(NUM_TILES):
+                cols = t * BLOCK_H + offs
+                mask = (cols < H) & (row_start + cols < numel)
+                for q in tl.static_range(WORLD):
+                    if q != rank:
+                        tl.store(recv_bits + q * slot_stride + row * row_stride + cols,
+                                 tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
 
     finish_program(state_ptr, epoch, num_programs)
 
@@ -205,9 +237,13 @@ def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int
     ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
     (:meth:`~tpcomm.workspace.Workspace.lamport_rows_per_launch`).
     """
-    if n_rows < 1:  # a program without rows would re-arm its call tags without waiting for them
+    if n_rows < 1:  # a program without rows would send its call tags and wait for none
         raise ValueError(f"lamport: n_rows must be >= 1, got {n_rows}")
     has_res = residual is not None
+    # Whole 16-byte vectors per thread (spin.py) for rows of one tile in whole vectors; the vectors are
+    # re-armed inside the wait when no lane of the tile is replicated over threads.
+    vectors = cfg.num_tiles == 1 and H % 8 == 0 and x.numel() % 8 == 0
+    rearm_in_spin = vectors and cfg.block_h // 8 >= 32 * cfg.num_warps
     return KernelCall(_lamport_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
@@ -218,5 +254,7 @@ def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int
     ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
+        VECTORS=vectors, REARM_IN_SPIN=rearm_in_spin,
+        PREFETCH=vectors and has_res and norm,
         num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
     ))

@@ -1,0 +1,159 @@
+"""Per-thread Lamport waits: each thread spins on its own 16-byte vectors, with no block-wide step inside
+the loop.
+
+Problem: a Lamport receive buffer holds the sentinel 0x8000 in every 16-bit element until a peer's value
+lands there. A wait written in Triton's block-level language needs one scalar loop condition, so every
+round of its poll ends in a block-wide reduction (a barrier and a shared-memory pass) before the next
+load can issue; at decode sizes that round is most of the wait.
+
+Mechanism: :func:`spin_vectors` is one inline-PTX loop per 16-byte vector. It loads the vector
+(``ld.volatile.global.v4.b32``) and the sender's 64-bit call tag, and goes round again while any of the
+eight 16-bit halves holds the sentinel or the tag's low word is not this call's, until ``%globaltimer``
+passes the deadline. The vector's words and a status come back per thread: 0 arrived, 1 timed out,
+2 arrived with another call's signature in the tag. A caller combines statuses once, after the loops.
+With ``REARM``, the thread then stores the sentinel into the vector it read, inside the same asm: no
+other thread reads that vector (the caller guarantees one thread per vector: no replicated layout), so
+re-arming needs no barrier.
+
+Call tags: ``tag = signature << 32 | (2 * epoch + 1 mod 2**32)`` (:func:`tag_value`), stored by a sending
+program after its data into ``[parity][program][sender]`` of each peer. The low word is odd, so the
+buffers' initial fill (0x8000 halves, an even low word) never matches; two calls of one parity are two
+epochs apart, so a stale tag never matches either, and tags are never re-armed.
+
+Under Triton's interpreter (no PTX) :func:`spin_vectors` is a twin with the same results: the whole
+tile is polled with volatile loads until nothing is missing or the host clock passes the deadline (one
+thread runs a program there, so a block-wide condition is that thread's own).
+"""
+
+import triton
+import triton.language as tl
+
+from ..env import interpreter_enabled
+from .sync import now_ns
+
+#: Two sentinels in one 32-bit word: the re-armed state of a Lamport vector.
+SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
+
+#: The spin: $0-$3 the vector's words, $4 the status; $5 the vector's address, $6 the tag's address,
+#: $7 the tag's expected low word, $8 the deadline (``%globaltimer`` ns), $9 active (0: skip, zeros),
+#: $10 the signature (the tag's expected high word).
+_SPIN = """{
+.reg .pred %pm, %pt;
+.reg .b32 %h, %tl, %th;
+.reg .u64 %now;
+mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0;
+setp.eq.s32 %pm, $9, 0;
+@%pm bra DONE;
+SPIN:
+ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$5];
+ld.volatile.global.v2.b32 {%tl, %th}, [$6];
+setp.ne.u32 %pm, %tl, $7;
+and.b32 %h, $0, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
+shr.u32 %h, $0, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
+and.b32 %h, $1, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
+shr.u32 %h, $1, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
+and.b32 %h, $2, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
+shr.u32 %h, $2, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
+and.b32 %h, $3, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
+shr.u32 %h, $3, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
+@!%pm bra ARRIVED;
+mov.u64 %now, %globaltimer;
+setp.lt.u64 %pt, %now, $8;
+@%pt bra SPIN;
+mov.b32 $4, 1;
+bra DONE;
+ARRIVED:
+setp.ne.u32 %pt, %th, $10;
+selp.b32 $4, 2, 0, %pt;
+REARM_STORE
+DONE:
+}"""
+_REARM_STORE = ("mov.b32 %h, -2147450880;\n"
+                "st.global.v4.b32 [$5], {%h, %h, %h, %h};")
+#: The spin that re-arms the vector it read, and the one that leaves it.
+SPIN_REARM = tl.constexpr(_SPIN.replace("REARM_STORE", _REARM_STORE))
+SPIN_KEEP = tl.constexpr(_SPIN.replace("REARM_STORE", ""))
+
+
+@triton.jit
+def tag_value(epoch, signature):
+    """The int64 call tag of ``epoch`` and ``signature`` (module docstring)."""
+    low = ((epoch.to(tl.int64) * 2 + 1) & 0xFFFFFFFF)
+    return (signature.to(tl.int64) << 32) | low
+
+
+@triton.jit
+def tag_low(epoch):
+    """The low word a tag of ``epoch`` carries, as int32 (for the comparison in :func:`spin_vectors`)."""
+    return ((epoch.to(tl.int64) * 2 + 1) & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+if interpreter_enabled():
+    @triton.jit
+    def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, REARM: tl.constexpr):
+        """The interpreter's twin of the PTX spin (module docstring): ``words_ptr`` int32 pointers to
+        each vector's first word, ``[V]``; ``active`` ``[V]`` bool; ``tag_ptr`` the sender's int64 tag.
+        Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32."""
+        tag = tl.load(tag_ptr, volatile=True)
+        w0 = tl.load(words_ptr, mask=active, other=0, volatile=True)
+        w1 = tl.load(words_ptr + 1, mask=active, other=0, volatile=True)
+        w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
+        w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
+        missing = _missing(w0, w1, w2, w3, active, tag, want_low)
+        while (tl.max(missing.to(tl.int32), axis=0) > 0) & (now_ns() < deadline):
+            tag = tl.load(tag_ptr, volatile=True)
+            w0 = tl.load(words_ptr, mask=active, other=0, volatile=True)
+            w1 = tl.load(words_ptr + 1, mask=active, other=0, volatile=True)
+            w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
+            w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
+            missing = _missing(w0, w1, w2, w3, active, tag, want_low)
+        other_call = (tag >> 32).to(tl.int32) != signature
+        status = tl.where(missing, 1, tl.where(active & other_call, 2, 0))
+        if REARM:
+            arrived = active & (status != 1)
+            for k in tl.static_range(4):
+                tl.store(words_ptr + k, tl.full(w0.shape, SENTINEL_WORD, tl.int32), mask=arrived)
+        return w0, w1, w2, w3, status
+
+    @triton.jit
+    def _has_sentinel(w):
+        return ((w & 0xFFFF) == 0x8000) | (((w >> 16) & 0xFFFF) == 0x8000)
+
+    @triton.jit
+    def _missing(w0, w1, w2, w3, active, tag, want_low):
+        low = (tag & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+        data = _has_sentinel(w0) | _has_sentinel(w1) | _has_sentinel(w2) | _has_sentinel(w3)
+        return active & (data | (low != want_low))
+else:
+    @triton.jit
+    def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, REARM: tl.constexpr):
+        """Spin until the 16-byte vector at each of ``words_ptr`` (int32 pointers, ``[V]``, 16-byte
+        aligned) holds no sentinel and the tag at ``tag_ptr`` (the sender's, int64) carries ``want_low``
+        (:func:`tag_low`), or ``%globaltimer`` passes ``deadline``; lanes where ``active`` is False skip.
+        Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32 (module docstring). One thread per
+        vector when ``REARM`` (the caller's layout has no replicated lanes)."""
+        addr = words_ptr.to(tl.int64)
+        zero = (addr * 0).to(tl.int32)
+        args = [addr, tag_ptr.to(tl.int64) + addr * 0, want_low + zero, deadline + addr * 0,
+                active.to(tl.int32), signature + zero]
+        if REARM:
+            w0, w1, w2, w3, status = tl.inline_asm_elementwise(
+                SPIN_REARM, "=r,=r,=r,=r,=r,l,l,r,l,r,r", args,
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        else:
+            w0, w1, w2, w3, status = tl.inline_asm_elementwise(
+                SPIN_KEEP, "=r,=r,=r,=r,=r,l,l,r,l,r,r", args,
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        return w0, w1, w2, w3, status
+
+
+@triton.jit
+def words_to_elems(w0, w1, w2, w3, DTYPE: tl.constexpr):
+    """The eight 16-bit elements of each vector ``(w0, w1, w2, w3)`` (``[V]`` int32, little-endian) as one
+    ``[8 V]`` tensor of ``DTYPE`` in memory order."""
+    words = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [V, 2, 2]: [v, i, k] = w_(2i + k)
+    V: tl.constexpr = w0.shape[0]
+    words = tl.reshape(words, [4 * V])
+    halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)  # [4V, 2]: [j, h] = half h of word j
+    bits = tl.reshape(halves, [8 * V]).to(tl.int16)
+    return bits.to(DTYPE, bitcast=True)
