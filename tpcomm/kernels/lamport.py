@@ -6,16 +6,21 @@ waits for the NVLink stores, then a remote flag write, then a poll) is most of t
 Algorithm: receive buffers hold the sentinel bit pattern 0x8000 (-0.0 in bf16 and fp16) in every element.
 Program ``p`` pushes its rows into slot ``rank`` of every peer's buffer, storing +0.0 wherever the input
 holds -0.0 (the sum is unchanged: the contract's accumulator starts at +0.0), so no pushed element ever
-has the sentinel's bits. It then polls its own buffer until no element of the row's tile holds the
-sentinel, sums in rank order with the same additions as every other algorithm (so the bits are the same;
-rows of one tile are summed from the tiles as the poll's last round loaded them, not read again), runs
-``epilogue.py``'s epilogue and writes the sentinel back into what it read (re-arming the buffer).
+has the sentinel's bits. It then waits on its own buffer until no element of the row holds the sentinel,
+sums in rank order with the same additions as every other algorithm (so the bits are the same; the
+peers' rows are summed as the wait loaded them, not read again), runs ``epilogue.py``'s epilogue and
+writes the sentinel back into what it read (re-arming the buffer). Rows of one tile in whole 16-byte
+vectors (decode) wait in ``spin.py``: every thread spins on its own vectors in inline PTX, with no
+block-wide step inside the loop, and re-arms them inside the same asm, so the kernel has no re-arm pass
+and no barrier before it; a program's next row's input and residual are loaded before that row's wait.
+Other rows wait with a block-wide poll per tile, read the tiles again in the epilogue and re-arm after a
+barrier.
 
-Call tags: after its rows, each program stores the call's signature (as ``one_shot.py``'s flags carry it)
-into an int32 tag of every peer, indexed by parity, program and sender, and polls the tags its peers
-sent it in the same loop as their rows' tiles, before reducing them; it re-arms them at its end. A peer
-that made a different call (another op, size or dtype of the same bytes) is reported as
-``ERR_MISMATCH``, or as a timeout when its program never ran, instead of returning wrong values.
+Call tags: after its rows, each program stores ``signature << 32 | (2 * epoch + 1)`` (``spin.tag_value``)
+into an int64 tag of every peer, indexed by parity, program and sender, and waits for the tags its peers
+sent it in the same loop as their rows. A tag of this epoch with another signature means the peer made a
+different call (another op, size or dtype of the same bytes): ``ERR_MISMATCH``, or a timeout when its
+program never ran, instead of wrong values. Tags carry the epoch, so they are never re-armed.
 
 Sync protocol: no flags, no fences and no barrier across ranks: a peer's 2-byte element is either the
 sentinel or the value (elements are checked one by one, so a store can't tear). Polls are volatile loads
