@@ -9,8 +9,8 @@ load can issue; at decode sizes that round is most of the wait.
 Mechanism: :func:`spin_vectors` is one inline-PTX loop per 16-byte vector. It loads the vector
 (``ld.volatile.global.v4.b32``) and the sender's 64-bit call tag, and goes round again while any of the
 eight 16-bit halves holds the sentinel or the tag's low word is not this call's, until ``%globaltimer``
-passes the deadline. The vector's words and a status come back per thread: 0 arrived, 1 timed out,
-2 arrived with another call's signature in the tag. A caller combines statuses once, after the loops.
+passes the deadline, or the tag is this epoch's with another call's signature. The vector's words and a
+status come back per thread: 0 arrived, 1 timed out, 2 another call's tag (at once, whatever arrived). A caller combines statuses once, after the loops.
 With ``REARM``, the thread then stores the sentinel into the vector it read, inside the same asm: no
 other thread reads that vector (the caller guarantees one thread per vector: no replicated layout), so
 re-arming needs no barrier.
@@ -36,17 +36,23 @@ SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
 
 #: The spin: $0-$3 the vector's words, $4 the status; $5 the vector's address, $6 the tag's address,
 #: $7 the tag's expected low word, $8 the deadline (``%globaltimer`` ns), $9 active (0: skip, zeros),
-#: $10 the signature (the tag's expected high word).
+#: $10 the signature (the tag's expected high word). The tag is read as one 64-bit access (no torn
+#: read); a tag of this epoch with another signature ends the spin at once (status 2, nothing
+#: re-armed). Outputs are early-clobber (``=&r``): they are written while the inputs are still read.
 _SPIN = """{
 .reg .pred %pm, %pt;
 .reg .b32 %h, %tl, %th;
-.reg .u64 %now;
+.reg .u64 %now, %tag;
 mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0;
 setp.eq.s32 %pm, $9, 0;
 @%pm bra DONE;
 SPIN:
 ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$5];
-ld.volatile.global.v2.b32 {%tl, %th}, [$6];
+ld.volatile.global.u64 %tag, [$6];
+mov.b64 {%tl, %th}, %tag;
+setp.eq.u32 %pt, %tl, $7;
+setp.ne.and.u32 %pt, %th, $10, %pt;
+@%pt bra OTHER;
 setp.ne.u32 %pm, %tl, $7;
 and.b32 %h, $0, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
 shr.u32 %h, $0, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
@@ -62,9 +68,10 @@ setp.lt.u64 %pt, %now, $8;
 @%pt bra SPIN;
 mov.b32 $4, 1;
 bra DONE;
+OTHER:
+mov.b32 $4, 2;
+bra DONE;
 ARRIVED:
-setp.ne.u32 %pt, %th, $10;
-selp.b32 $4, 2, 0, %pt;
 REARM_STORE
 DONE:
 }"""
@@ -100,17 +107,17 @@ if interpreter_enabled():
         w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
         w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
         missing = _missing(w0, w1, w2, w3, active, tag, want_low)
-        while (tl.max(missing.to(tl.int32), axis=0) > 0) & (now_ns() < deadline):
+        while ((tl.max(missing.to(tl.int32), axis=0) > 0) & (now_ns() < deadline)
+               & (_other_call(tag, want_low, signature) == 0)):
             tag = tl.load(tag_ptr, volatile=True)
             w0 = tl.load(words_ptr, mask=active, other=0, volatile=True)
             w1 = tl.load(words_ptr + 1, mask=active, other=0, volatile=True)
             w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
             w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
             missing = _missing(w0, w1, w2, w3, active, tag, want_low)
-        other_call = (tag >> 32).to(tl.int32) != signature
-        status = tl.where(missing, 1, tl.where(active & other_call, 2, 0))
+        status = tl.where(active & _other_call(tag, want_low, signature), 2, tl.where(missing, 1, 0))
         if REARM:
-            arrived = active & (status != 1)
+            arrived = active & (status == 0)
             for k in tl.static_range(4):
                 tl.store(words_ptr + k, tl.full(w0.shape, SENTINEL_WORD, tl.int32), mask=arrived)
         return w0, w1, w2, w3, status
@@ -118,6 +125,12 @@ if interpreter_enabled():
     @triton.jit
     def _has_sentinel(w):
         return ((w & 0xFFFF) == 0x8000) | (((w >> 16) & 0xFFFF) == 0x8000)
+
+    @triton.jit
+    def _other_call(tag, want_low, signature):
+        """This epoch's tag with another call's signature."""
+        low = (tag & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+        return (low == want_low) & ((tag >> 32).to(tl.int32) != signature)
 
     @triton.jit
     def _missing(w0, w1, w2, w3, active, tag, want_low):
@@ -138,11 +151,11 @@ else:
                 active.to(tl.int32), signature + zero]
         if REARM:
             w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_REARM, "=r,=r,=r,=r,=r,l,l,r,l,r,r", args,
+                SPIN_REARM, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r", args,
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
         else:
             w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_KEEP, "=r,=r,=r,=r,=r,l,l,r,l,r,r", args,
+                SPIN_KEEP, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r", args,
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
         return w0, w1, w2, w3, status
 
