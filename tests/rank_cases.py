@@ -532,7 +532,8 @@ def epoch_case(ctx, calls, algo=None):
 
 def lamport_rearmed_case(ctx, shapes):
     """Lamport calls of several shapes, then the share of this rank's Lamport buffers that holds the
-    sentinel 0x8000 (it must all be re-armed once every rank has finished)."""
+    sentinel 0x8000 (it must all be re-armed once every rank has finished); ``bad_tags``: call tags that
+    hold neither their initial fill nor a tag (``kernels/spin.tag_value``: an odd low word)."""
     comm = ctx.comm(algo="lamport")
     ws = comm.workspace
     plans = []
@@ -542,8 +543,14 @@ def lamport_rearmed_case(ctx, shapes):
         comm.fused_add_rmsnorm(xs[ctx.rank], None, torch.ones(shape[-1], dtype=torch.bfloat16))
         plans.append(comm.plan("fused_add_rmsnorm", xs[0].numel() * 2, shape[-1], torch.bfloat16).algorithm)
     dist.barrier()
-    lam = ws.buffer[ws.flag_bytes + 2 * ws.world_size * ws.slot_bytes:].view(torch.int16)
-    return {"plans": plans, "sentinel_words": int((lam == -32768).sum()), "words": lam.numel()}
+    base = ws.flag_bytes + 2 * ws.world_size * ws.slot_bytes
+    lam = ws.buffer[base:base + ws.lamport_bytes].view(torch.int16)
+    # call tags carry the epoch and are never re-armed: each holds its initial fill or an odd low word
+    tags = ws.buffer[base + ws.lamport_bytes:base + ws.lamport_bytes + ws.tag_bytes].view(torch.int64)
+    fill = torch.tensor([-32768] * 4, dtype=torch.int16).view(torch.int64)
+    bad_tags = int(((tags != fill) & (tags % 2 == 0)).sum())
+    return {"plans": plans, "sentinel_words": int((lam == -32768).sum()), "words": lam.numel(),
+            "bad_tags": bad_tags}
 
 
 def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):

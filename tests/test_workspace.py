@@ -119,7 +119,8 @@ def test_garbage_in_receive_buffers_is_never_read(pool, dtype):
 
 def test_lamport_buffers_are_rearmed(pool):
     """After Lamport calls of several shapes (inputs with -0.0 in them), every word of every rank's
-    Lamport buffers holds the sentinel again, so the next call cannot mistake stale data for new."""
+    Lamport buffers holds the sentinel again, so the next call cannot mistake stale data for new; the
+    call tags (never re-armed) hold their fill or a tag."""
     shapes = [(1, 64), (5, 123), (2, 8200), (9, 16)]
     results = pool.run(rank_cases.lamport_rearmed_case, shapes)
     check = Checks()
@@ -127,6 +128,7 @@ def test_lamport_buffers_are_rearmed(pool):
         check.that(res["plans"] == ["lamport"] * len(shapes), f"rank {r}: plans {res['plans']}")
         check.that(res["sentinel_words"] == res["words"],
                    f"rank {r}: {res['words'] - res['sentinel_words']} of {res['words']} Lamport words not re-armed")
+        check.that(res["bad_tags"] == 0, f"rank {r}: {res['bad_tags']} call tags hold neither fill nor a tag")
     check.done()
 
 
