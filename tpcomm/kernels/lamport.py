@@ -198,7 +198,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                                      timeout, err_ptr, state_ptr, WORLD, BLOCK_H, REARM_IN_SPIN,
                                      x_ptr.dtype.element_ty)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
-        elif NUM_TILES == 1:  # the sum as the poll loaded the tile
+        elif NUM_TILES == 1:  # rows not in whole vectors: a block-wide poll; the epilogue reads the tile again
             mask = (offs < H) & (row_start + offs < numel)
             timeout = _poll_tile(recv + row * row_stride, slot_stride, offs, mask, tags, rank, epoch, pid,
                                  signature, timeout, err_ptr, state_ptr, WORLD)

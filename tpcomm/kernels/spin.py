@@ -9,8 +9,10 @@ load can issue; at decode sizes that round is most of the wait.
 Mechanism: :func:`spin_vectors` is one inline-PTX loop per 16-byte vector. It loads the vector
 (``ld.volatile.global.v4.b32``) and the sender's 64-bit call tag, and goes round again while any of the
 eight 16-bit halves holds the sentinel or the tag's low word is not this call's, until ``%globaltimer``
-passes the deadline, or the tag is this epoch's with another call's signature. The vector's words and a
-status come back per thread: 0 arrived, 1 timed out, 2 another call's tag (at once, whatever arrived). A caller combines statuses once, after the loops.
+passes the deadline, or the tag is this epoch's with another call's signature. The vector's words and
+a status come back per thread: 0 arrived, 1 timed out, 2 another call's tag (at once, whatever
+arrived). A caller combines statuses once, after the loops (timings: docs/benchmarks.md, "Decode
+kernels").
 With ``REARM``, the thread then stores the sentinel into the vector it read, inside the same asm: no
 other thread reads that vector (the caller guarantees one thread per vector: no replicated layout), so
 re-arming needs no barrier.
