@@ -4,7 +4,8 @@ torch's ``y.add_(1)`` (one kernel launch) timed the same way.
 Method: for each op, rank 0 issues ``--calls`` calls inside its stream context, then rank 1 the same
 (its first kernel pairs with rank 0's first, which waits on the GPU meanwhile), and so on; the host
 time of each rank's batch, divided by the calls, is the per-call host time (``run_ranks``' stream
-switches are outside the timed loops). Every op runs ``--rounds`` times, interleaved with the others
+switches are outside the timed loops), reported per rank and as the median of the ranks; run it with
+two ``--calls`` (e.g. 25 and 200) to see whether a batch waits for a full launch queue. Every op runs ``--rounds`` times, interleaved with the others
 and with ``add_``; each number is the median of its rounds. Each op is timed with new outputs and
 with outputs passed (``out=`` etc.), the FP8 forms per token and per group, at 1 and 64 tokens; then
 once more with ``TPCOMM_DIRECT_LAUNCH=0`` semantics (replays through ``kernel[grid]``), and in graph
@@ -64,7 +65,8 @@ def _ops(T, H, ranks, xs, res, w):
 
 def host_us(ranks, fn, calls):
     """µs of host time per call: each rank's batch of ``calls`` calls in its stream context, timed alone;
-    the median over the ranks."""
+    one number per rank (rank 0's batch queues behind a kernel that waits for rank 1; rank 1's runs
+    while the GPU works through the pairs, so the two tell host cost from a full launch queue)."""
     current = torch.cuda.current_stream()
     per_rank = []
     for rank in ranks:
@@ -77,7 +79,7 @@ def host_us(ranks, fn, calls):
     for rank in ranks:
         current.wait_stream(rank.stream)
     torch.cuda.synchronize()
-    return statistics.median(per_rank)
+    return per_rank
 
 
 def graph_us(ranks, fn, calls=50, replays=20):
@@ -129,21 +131,23 @@ def main():
                     samples["torch add_"].append(host_us(ranks, lambda rank: y.add_(1), a.calls))
                     for name, (fn, _) in ops.items():
                         samples[name].append(host_us(ranks, fn, a.calls))
-                add = statistics.median(samples["torch add_"])
+                add = statistics.median(v for per_rank in samples["torch add_"] for v in per_rank)
                 for name, values in samples.items():
-                    us = statistics.median(values)
+                    per_rank = [statistics.median(v[r] for v in values) for r in range(len(ranks))]
+                    us = statistics.median(per_rank)
                     rows.append(dict(tokens=T, op=name, launcher="compiled" if direct else "kernel[grid]",
-                                     host_us=round(us, 2), ratio_to_add=round(us / add, 2)))
+                                     host_us=round(us, 2), ratio_to_add=round(us / add, 2),
+                                     per_rank_us=[round(u, 2) for u in per_rank]))
             for name, (fn, _) in ops.items():
                 rows.append(dict(tokens=T, op=name, launcher="graph", graph_us=round(graph_us(ranks, fn), 3)))
         for rank in ranks:
             rank.check()
     finally:
         close_group(ranks)
-    print(f"{'tokens':>6s} {'op':16s} {'launcher':13s} {'host us':>8s} {'x add_':>7s} {'graph us':>9s}")
+    print(f"{'tokens':>6s} {'op':16s} {'launcher':13s} {'host us':>8s} {'x add_':>7s} {'graph us':>9s}  per rank")
     for r in rows:
         print(f"{r['tokens']:6d} {r['op']:16s} {r['launcher']:13s} {r.get('host_us', ''):>8} "
-              f"{r.get('ratio_to_add', ''):>7} {r.get('graph_us', ''):>9}")
+              f"{r.get('ratio_to_add', ''):>7} {r.get('graph_us', ''):>9}  {r.get('per_rank_us', '')}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(hidden=H, calls=a.calls, rounds=a.rounds, torch=torch.__version__, rows=rows), f, indent=1)

@@ -12,6 +12,11 @@
 #                                        # timings of kernel variants
 #   bash benchmarks/session.sh peer      # ONE GPU (carry [".whl"]): tpcomm bench --loopback (TRT-LLM beside),
 #                                        # then benchmarks/host_loopback.py (eager host time per call)
+#   bash benchmarks/session.sh decode1   # ONE GPU (carry [".whl", ".old"]): the loopback and FP8 GPU tests, then
+#                                        # bench --loopback of this tree and of .old/ (the kernels to compare
+#                                        # against: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`)
+#   bash benchmarks/session.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
+#                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz; the
 # exit status is 1 when a step's summary line records a non-zero rc.
@@ -116,8 +121,34 @@ peer)
     echo "bench-loopback rc=$?" >> $W/summary.txt
     timeout ${HOST_S:-180} python3 benchmarks/host_loopback.py --out $W/host_loopback.json > $W/host_loopback.log 2>&1
     echo "host_loopback rc=$?" >> $W/summary.txt ;;
+decode1)
+    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py; do
+        (timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
+         echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
+    done
+    wait
+    with_flashinfer timeout 170 python3 -m tpcomm bench --loopback --tokens 1,16,64,256,1024 --json $W/bench-new.json \
+        > $W/bench-new.log 2>&1
+    echo "bench-new rc=$?" >> $W/summary.txt
+    if [ -d .old/tpcomm ]; then
+        cp tpcomm/bench/loopback.py tpcomm/bench/args.py .old/tpcomm/bench/  # the same harness for both
+        (cd .old && PYTHONPATH=. timeout 120 python3 -m tpcomm bench --loopback --tokens 1,16,64,256,1024 \
+            --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt)
+    fi ;;
+decode2)
+    for n in 25 200; do
+        timeout 80 python3 benchmarks/host_loopback.py --calls $n --rounds 5 --out $W/host_loopback_$n.json \
+            > $W/host_loopback_$n.log 2>&1
+        echo "host_loopback $n rc=$?" >> $W/summary.txt
+    done
+    with_flashinfer timeout 200 python3 -m tpcomm bench --loopback --programs 32 --json $W/bench-p32.json \
+        > $W/bench-p32.log 2>&1
+    echo "bench-p32 rc=$?" >> $W/summary.txt
+    with_flashinfer timeout 90 python3 -m tpcomm bench --loopback --world 4 --hidden 6144 --tokens 1,16,64,256 \
+        --json $W/bench-w4.json > $W/bench-w4.log 2>&1
+    echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"
