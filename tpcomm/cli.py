@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "greedy decoding against the unsharded model (needs the hf extra)")
     d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="with --model: one dtype (default both)")
-    d.add_argument("--steps", type=positive_int, default=8, help="with --model: greedy decode steps (default 8)")
+    d.add_argument("--steps", type=positive_int, default=None,
+                   help="with --model: greedy decode steps (default 8)")
 
     b = sub.add_parser("bench", help="time tpcomm against NCCL, torch symmetric memory and FlashInfer "
                                      "(GPU only)",
@@ -100,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             from .models import demo as model_demo
 
             return model_demo.main(args.model, device=args.device, world_size=args.world, dtype=args.dtype,
-                                   steps=args.steps)
+                                   steps=8 if args.steps is None else args.steps)
+        if args.steps is not None or args.dtype is not None:
+            print("tpcomm demo: --steps and --dtype apply with --model only", file=sys.stderr)
+            return 2
         from . import demo
 
         return demo.main(device=args.device, world_size=args.world, quick=args.quick)
@@ -218,7 +222,8 @@ def check() -> int:
          + (" (importing tpcomm sets it without CUDA)" if not cuda else ""))
 
     out.append("TPCOMM_* settings")
-    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE", "TPCOMM_PDL")
+    names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE", "TPCOMM_PDL",
+             "TPCOMM_DIRECT_LAUNCH")
     for k in names:
         line(k, os.environ[k] if k in os.environ else "(unset)")
     others = sorted(k for k in os.environ if k.startswith("TPCOMM_") and k not in names)

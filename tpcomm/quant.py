@@ -113,11 +113,14 @@ def per_token_quant_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e
 
 
 def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
-                        fp8_dtype: torch.dtype = torch.float8_e4m3fn, column_major_scales: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        fp8_dtype: torch.dtype = torch.float8_e4m3fn, column_major_scales: bool = False,
+                        ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x`` to FP8 with one float32 scale per ``group_size`` consecutive elements of a row
     (DeepSeek-V3's 1 x 128 activation quantisation; numerics of :func:`per_token_quant_fp8` applied to
-    each group).
+    each group). With ``ue8m0`` each scale is rounded up to a power of two (the smallest that is
+    ``>= amax / MAX`` and ``>= 2^-127``; 1 for a zero group) before the division, as DeepGEMM's FP8 GEMMs
+    on SM100 and vLLM's ``use_ue8m0=True`` want them (docs/numerics.md, "Quantised output forms");
+    :func:`pack_ue8m0_scales` packs them as those GEMMs read them.
 
     Args:
         x: ``(T, H)`` bfloat16, float16 or float32, as for :func:`per_token_quant_fp8`.
@@ -129,16 +132,20 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
             ``column_major_scales``) read: storage is a contiguous ``(H // group_size, T)`` tensor and
             ``scales`` is its transpose view, shape ``(T, H // group_size)``, strides ``(1, T)``; the
             values are the same, ``scales.t()`` is the contiguous storage.
+        ue8m0: power-of-two scales (above). Default False.
     Returns:
         ``(q, scales)``: ``q`` ``(T, H)`` of ``fp8_dtype``, contiguous; ``scales`` float32 as above.
         Safe to capture in a CUDA graph.
     Raises:
-        TypeError: ``x`` is not a tensor or has another dtype; ``group_size`` is not an int.
+        TypeError: ``x`` is not a tensor or has another dtype; ``group_size`` is not an int; ``ue8m0`` is
+            not a bool.
         ValueError: as :func:`per_token_quant_fp8`; ``group_size`` is not a power of two in
             [1, 8192]; ``H`` is not a multiple of ``group_size``.
     """
     op = "per_group_quant_fp8"
     _check(op, x, fp8_dtype)
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"{op}: ue8m0 must be a bool, got {type(ue8m0).__name__}")
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__}")
     group_size = int(group_size)  # numpy integers too
@@ -157,8 +164,89 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     cfg = row_config(H, 1)  # block_h is a power of two >= min(H, 8192) >= group_size
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         _k.launch_per_group_quant(x, q.view(torch.uint8), scales, group_size, _TL_FP8[fp8_dtype],
-                                  native_fp8(x.device, fp8_dtype), cfg.block_h, cfg.num_tiles, cfg.num_warps)
+                                  native_fp8(x.device, fp8_dtype), cfg.block_h, cfg.num_tiles, cfg.num_warps,
+                                  ue8m0)
     return q, scales
+
+
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                     ) -> torch.Tensor:
+    """Quantise ``x`` to FP8 with one calibrated float32 scale for the whole tensor (static per-tensor
+    FP8, as vLLM's FP8 checkpoints run): ``inv = f32(1 / scale)`` (correctly rounded) and
+    ``q = fp8(f32(x) * inv)``, saturated to ``[-MAX, MAX]``, rounded to nearest-even, NaN as the
+    canonical NaN byte (docs/numerics.md, "Static per-tensor FP8"; the product, as vLLM computes it).
+    Dequantise with ``q.float() * scale``. Plain torch: :func:`tpcomm.reference.static_fp8_quant_reference`.
+
+    Args:
+        x: ``(T, H)`` bfloat16, float16 or float32, as for :func:`per_token_quant_fp8`.
+        scale: float32 tensor of one element (shape ``()``, ``(1,)`` or ``(1, 1)``) on ``x``'s device,
+            finite and positive; a tensor, so a CUDA graph replays with its current value.
+        fp8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e4m3fnuz``.
+    Returns:
+        ``q``: ``(T, H)`` of ``fp8_dtype``, contiguous. One launch.
+    Raises:
+        TypeError: ``x`` or ``scale`` is not a tensor, or has another dtype.
+        ValueError: as :func:`per_token_quant_fp8`; ``scale`` has more than one element or is on another
+            device; outside CUDA-graph capture, ``scale`` is not finite or not positive (that check
+            reads the scale: one device synchronisation on CUDA; during a capture it is skipped, and
+            such a scale gives NaN or saturated bytes).
+    """
+    op = "static_quant_fp8"
+    _check(op, x, fp8_dtype)
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: scale must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{op}: scale has dtype {scale.dtype}; expected torch.float32")
+    if scale.numel() != 1:
+        raise ValueError(f"{op}: scale must hold one element, got shape {tuple(scale.shape)}")
+    if scale.device != x.device:
+        raise ValueError(f"{op}: scale is on {scale.device}, x on {x.device}; expected the same device")
+    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        value = float(scale.reshape(()).item())
+        if not (value > 0 and value != float("inf")):  # NaN fails both
+            raise ValueError(f"{op}: scale={value!r}; expected a finite positive float32")
+    x = _rows(x)
+    T, H = x.shape
+    q = torch.empty((T, H), dtype=fp8_dtype, device=x.device)
+    cfg = row_config(H, 1)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _k.launch_static_quant(x, scale.reshape(1), q.view(torch.uint8), _TL_FP8[fp8_dtype],
+                               native_fp8(x.device, fp8_dtype), cfg.block_h, cfg.num_tiles, cfg.num_warps)
+    return q
+
+
+def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales ``(T, G)`` (``per_group_quant_fp8(..., ue8m0=True)``'s) in the packed,
+    MN-major, TMA-aligned int32 layout DeepGEMM's SM100 FP8 GEMMs read (docs/numerics.md, "Packed
+    layout"): each scale as its E8M0 byte (its float32 exponent bits: ``log2(scale) + 127``, 0xFF for
+    NaN and Inf), groups ``4k .. 4k + 3`` of row ``t`` in int32 ``[t, k]`` (group ``4k + j`` in byte
+    ``j``), stored column by column with ``Tp = ceil(T / 4) * 4`` int32s a column; padding bytes are zero.
+    Torch operations only (no host synchronisation; safe in a CUDA graph).
+
+    Args:
+        scales: ``(T, G)`` float32, any strides, each a power of two in ``[2^-127, 2^127]``, Inf or NaN.
+    Returns:
+        int32 ``(T, ceil(G / 4))`` with strides ``(1, Tp)``: a view of a ``(ceil(G / 4), Tp)`` buffer.
+    Raises:
+        TypeError: ``scales`` is not a float32 tensor.
+        ValueError: ``scales`` is not 2-D.
+    """
+    op = "pack_ue8m0_scales"
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        raise TypeError(f"{op}: scales must be a float32 tensor, got "
+                        f"{getattr(scales, 'dtype', type(scales).__name__)}")
+    if scales.dim() != 2:
+        raise ValueError(f"{op}: scales must be 2-D (T, G), got shape {tuple(scales.shape)}")
+    T, G = scales.shape
+    K, Tp = -(-G // 4), -(-T // 4) * 4
+    exponents = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    padded = torch.zeros((Tp, 4 * K), dtype=torch.uint8, device=scales.device)
+    padded[:T, :G] = exponents
+    words = padded.view(torch.int32)  # (Tp, K): byte j of a word is group 4k + j (little-endian)
+    buf = torch.empty((K, Tp), dtype=torch.int32, device=scales.device)
+    buf.copy_(words.t())
+    return buf.as_strided((T, K), (1, Tp))
 
 
 # -- outputs of the fused op ------------------------------------------------------------------------

@@ -114,6 +114,17 @@ def fp8_scale(amax, FP8: tl.constexpr):
 
 
 @triton.jit
+def pow2_ceil(s):
+    """The UE8M0 scale of a positive float32 ``s`` (any shape): the smallest power of two that is
+    ``>= s`` and ``>= 2^-127`` (docs/numerics.md, "Per-group FP8 with UE8M0 scales"), computed on the
+    bits: a set mantissa bit carries into the exponent. +Inf and NaN stay as they are."""
+    bits = s.to(tl.int32, bitcast=True)
+    up = (bits + 0x7FFFFF) & 0x7F800000
+    up = tl.where(bits <= 0x400000, 0x400000, up)  # at most 2^-127 (subnormal): 2^-127
+    return tl.where(s != s, s, up.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def expand_group_scales(scales, GROUP: tl.constexpr):
     """``(NG,)`` per-group scales repeated to one per lane: ``(NG * GROUP,)``, lane ``i`` gets
     ``scales[i // GROUP]``."""
@@ -348,9 +359,10 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride,
 def _per_group_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride, s_row_stride,
                             s_group_stride,
                             FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr,
-                            BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr):
+                            BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr, UE8M0: tl.constexpr):
     """One program per row; scale of group ``g`` at ``s + row * s_row_stride + g * s_group_stride``
-    (row-major: ``(H // GROUP, 1)``; column-major: ``(1, T)``)."""
+    (row-major: ``(H // GROUP, 1)``; column-major: ``(1, T)``). With ``UE8M0`` each scale is rounded up
+    to a power of two (:func:`pow2_ceil`) before the division, which is then exact."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * q_row_stride
@@ -365,6 +377,8 @@ def _per_group_quant_kernel(x_ptr, q_ptr, s_ptr, H, x_row_stride, q_row_stride, 
         mask = cols < H
         v = widen(tl.load(x_row + cols, mask=mask, other=0.0))
         scales = fp8_scale(group_amax(v, mask, GROUP), FP8)
+        if UE8M0:
+            scales = pow2_ceil(scales)
         lane_scales, recip, fast = group_division(scales, SRC16, GROUP)
         store_fp8(q_row, cols, quantize(v, lane_scales, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
         g = t * NG + groups
@@ -385,12 +399,46 @@ def launch_per_token_quant(x, q_bits, scales, fp8, native_fp8: bool, block_h: in
 
 
 def launch_per_group_quant(x, q_bits, scales, group_size: int, fp8, native_fp8: bool, block_h: int,
-                           num_tiles: int, num_warps: int) -> None:
+                           num_tiles: int, num_warps: int, ue8m0: bool = False) -> None:
     """Run the per-group kernel: as :func:`launch_per_token_quant`, with ``scales`` any ``(T, H //
-    group_size)`` float32 tensor (its strides say the layout); ``group_size`` divides ``block_h``."""
+    group_size)`` float32 tensor (its strides say the layout); ``group_size`` divides ``block_h``;
+    ``ue8m0``: power-of-two scales."""
     T, H = x.shape
     if T == 0:
         return
     _per_group_quant_kernel[(T,)](x, q_bits, scales, H, x.stride(0), q_bits.stride(0), scales.stride(0),
                                   scales.stride(1), FP8=fp8, NATIVE_FP8=native_fp8, GROUP=group_size,
-                                  BLOCK_H=block_h, NUM_TILES=num_tiles, num_warps=num_warps)
+                                  BLOCK_H=block_h, NUM_TILES=num_tiles, UE8M0=ue8m0, num_warps=num_warps)
+
+
+@triton.jit
+def _static_quant_kernel(x_ptr, scale_ptr, q_ptr, H, x_row_stride, q_row_stride,
+                         FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                         BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr):
+    """One program per row: ``q[row] = fp8(f32(x[row]) * inv)`` with ``inv = div_rn(1, scale)``, the
+    float32 ``scale`` read from ``scale_ptr`` (static per-tensor FP8; saturating, nearest-even, NaN as
+    the canonical NaN byte)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    q_row = q_ptr + row * q_row_stride
+    SRC_BITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
+    scale = tl.load(scale_ptr)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    offs = tl.arange(0, BLOCK_H)
+    for t in tl.static_range(NUM_TILES):
+        cols = t * BLOCK_H + offs
+        mask = cols < H
+        v = widen(tl.load(x_row + cols, mask=mask, other=0.0))
+        store_fp8(q_row, cols, fp8_encode(v * inv, FP8, NATIVE_FP8), mask, SRC_BITS)
+
+
+def launch_static_quant(x, scale, q_bits, fp8, native_fp8: bool, block_h: int, num_tiles: int,
+                        num_warps: int) -> None:
+    """Run the static per-tensor kernel: ``x`` ``(T, H)`` with unit column stride, ``scale`` one
+    float32 element, ``q_bits`` ``(T, H)`` uint8 with unit column stride. No validation."""
+    T, H = x.shape
+    if T == 0:
+        return
+    _static_quant_kernel[(T,)](x, scale, q_bits, H, x.stride(0), q_bits.stride(0), FP8=fp8,
+                               NATIVE_FP8=native_fp8, BLOCK_H=block_h, NUM_TILES=num_tiles,
+                               num_warps=num_warps)

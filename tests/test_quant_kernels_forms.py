@@ -1,0 +1,149 @@
+"""The standalone Triton ops of the quantised forms beside item 4's (``tpcomm.static_quant_fp8``,
+``tpcomm.per_group_quant_fp8(..., ue8m0=True)``, ``tpcomm.pack_ue8m0_scales``) against the plain-torch
+references of ``tpcomm/reference.py`` (docs/numerics.md, "Quantised output forms"), byte for byte, on
+rows holding zero groups, subnormals, saturating values, NaN and Inf. CPU tests run the kernels under
+Triton's interpreter; on a machine with a GPU the same tests run there."""
+
+import pytest
+import torch
+
+import tpcomm  # sets TRITON_INTERPRET=1 without CUDA
+from numerics import assert_same_bits, dtype_name
+from tpcomm.reference import pack_ue8m0_scales as pack_reference
+from tpcomm.reference import per_group_ue8m0_quant_reference, static_fp8_quant_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp8_name(d):
+    return str(d).replace("torch.float8_", "")
+
+
+def _rows(T, H, dtype, seed):
+    """Random rows over many magnitudes, with the special values in fixed places: a zero group (the
+    first 128 of row 0), subnormals of ``dtype``, values past FP8's range, -0.0, and in the last row
+    NaN and +-Inf."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(T, H, generator=g) * torch.exp2(torch.randint(-20, 12, (T, H), generator=g).float())
+    v[0, :128] = 0.0
+    tiny = torch.finfo(dtype).tiny
+    v[1 % T, 0:8] = torch.tensor([tiny / 2, -tiny / 4, tiny, 3e4, -1e5, -0.0, 1e-30, 448.0])
+    if T > 2:
+        v[-1, 5], v[-1, H // 2 + 3], v[-1, H - 7] = float("nan"), float("inf"), float("-inf")
+    return v.to(dtype).to(DEV)
+
+
+def _same_bytes(got, want, what):
+    g, w = got.view(torch.uint8), want.view(torch.uint8)
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    diff = g != w
+    assert not diff.any(), (f"{what}: {int(diff.sum())} bytes differ, first at {diff.nonzero()[:4].tolist()}: "
+                            f"{g[diff][:4].tolist()} vs {w[diff][:4].tolist()}")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("scale", (1.0, 0.0625, 7.0, 3.1e-5))
+def test_static_quant_matches_the_reference(dtype, fp8_dtype, scale):
+    x = _rows(4, 384, dtype, seed=int(scale * 1000) + len(str(dtype)))
+    s = torch.tensor([scale], dtype=torch.float32, device=DEV)
+    _same_bytes(tpcomm.static_quant_fp8(x, s, fp8_dtype), static_fp8_quant_reference(x, s, fp8_dtype),
+                f"static {dtype} {fp8_dtype} scale {scale}")
+
+
+def test_static_quant_multiplies_by_the_rounded_reciprocal():
+    """Scale 7, x = 10.9375: x / 7 is the e4m3 tie 1.5625 (-> 1.5), x * f32(1/7) rounds up to 1.625."""
+    x = torch.full((1, 16), 10.9375, dtype=torch.float32, device=DEV)
+    q = tpcomm.static_quant_fp8(x, torch.tensor(7.0, device=DEV))
+    assert q.float().unique().tolist() == [1.625]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (torch.tensor([1.0], dtype=torch.float64), TypeError, "float32"),
+    (torch.tensor([1.0, 2.0]), ValueError, "one element"),
+    (torch.tensor(float("nan")), ValueError, "finite positive"),
+    (torch.tensor(float("inf")), ValueError, "finite positive"),
+    (torch.tensor(0.0), ValueError, "finite positive"),
+    (torch.tensor(-2.0), ValueError, "finite positive"),
+    (2.0, TypeError, "torch.Tensor"),
+])
+def test_static_quant_rejects_bad_scales(bad, error, match):
+    x = torch.ones(2, 32, dtype=torch.bfloat16, device=DEV)
+    if isinstance(bad, torch.Tensor):
+        bad = bad.to(DEV)
+    with pytest.raises(error, match=match):
+        tpcomm.static_quant_fp8(x, bad)
+
+
+def test_static_quant_rejects_bad_inputs():
+    s = torch.tensor(1.0, device=DEV)
+    with pytest.raises(TypeError, match="dtype"):
+        tpcomm.static_quant_fp8(torch.ones(2, 32, dtype=torch.int32, device=DEV), s)
+    with pytest.raises(ValueError, match="2-D"):
+        tpcomm.static_quant_fp8(torch.ones(32, device=DEV), s)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        tpcomm.static_quant_fp8(torch.ones(2, 32, device=DEV), s, torch.float8_e5m2)
+
+
+@pytest.mark.parametrize("group_size", (32, 128))
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_ue8m0_groups_match_the_reference(dtype, fp8_dtype, group_size):
+    x = _rows(5, 512, dtype, seed=group_size + len(str(dtype)))
+    q, scales = tpcomm.per_group_quant_fp8(x, group_size, fp8_dtype, ue8m0=True)
+    rq, rs = per_group_ue8m0_quant_reference(x, group_size, fp8_dtype)
+    _same_bytes(q, rq, f"ue8m0 q {dtype} {fp8_dtype} g{group_size}")
+    assert_same_bits(scales, rs, f"ue8m0 scales {dtype} {fp8_dtype} g{group_size}")
+    finite = torch.isfinite(scales)
+    mantissa = scales[finite].contiguous().view(torch.int32) & 0x7FFFFF
+    exponent = (scales[finite].contiguous().view(torch.int32) >> 23) & 0xFF
+    assert bool(((mantissa == 0) | ((exponent == 0) & (mantissa == 0x400000))).all()), "a scale is no power of two"
+
+
+def test_ue8m0_scale_rounds_up_and_subnormal_amax_gets_the_smallest_scales():
+    """amax 448 gives scale 1 (exact); 449 gives 2; an amax whose quotient by 448 is subnormal gives
+    2^-127 or 2^-126; a zero group gives 1."""
+    tiny = 2.0 ** -126
+    amaxes = [448.0, 449.0, 448.0 * tiny / 4, 448.0 * tiny * 0.75, 0.0]
+    x = torch.zeros(1, 32 * len(amaxes), dtype=torch.float32, device=DEV)
+    for i, a in enumerate(amaxes):
+        x[0, 32 * i] = a
+    _, scales = tpcomm.per_group_quant_fp8(x, 32, ue8m0=True)
+    assert scales[0].tolist() == [1.0, 2.0, 2.0 ** -127, 2.0 ** -126, 1.0]
+
+
+def test_ue8m0_column_major_scales_hold_the_same_values():
+    x = _rows(6, 256, torch.bfloat16, seed=3)
+    _, rows = tpcomm.per_group_quant_fp8(x, 128, ue8m0=True)
+    _, cols = tpcomm.per_group_quant_fp8(x, 128, ue8m0=True, column_major_scales=True)
+    assert cols.stride() == (1, 6)
+    assert_same_bits(cols.contiguous(), rows, "column-major ue8m0 scales")
+
+
+def test_ue8m0_must_be_a_bool():
+    with pytest.raises(TypeError, match="ue8m0"):
+        tpcomm.per_group_quant_fp8(torch.ones(2, 128, device=DEV), 128, ue8m0=1)
+
+
+@pytest.mark.parametrize("T, G", [(1, 1), (5, 4), (6, 7), (9, 48)])
+def test_packed_ue8m0_scales_match_the_reference(T, G):
+    x = _rows(T, 128 * G, torch.bfloat16, seed=T * 100 + G)
+    _, scales = tpcomm.per_group_quant_fp8(x, 128, ue8m0=True)
+    got, want = tpcomm.pack_ue8m0_scales(scales), pack_reference(scales)
+    assert got.dtype == torch.int32 and got.shape == want.shape and got.stride() == want.stride(), \
+        (got.shape, got.stride(), want.shape, want.stride())
+    assert torch.equal(got, want)
+    K, Tp = -(-G // 4), -(-T // 4) * 4
+    assert got.stride() == (1, Tp) and got.untyped_storage().nbytes() == K * Tp * 4  # padded to Tp rows
+
+
+def test_pack_ue8m0_rejects_bad_scales():
+    with pytest.raises(TypeError, match="float32"):
+        tpcomm.pack_ue8m0_scales(torch.ones(2, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="2-D"):
+        tpcomm.pack_ue8m0_scales(torch.ones(4))
