@@ -18,7 +18,7 @@ import torch
 import tpcomm
 from numerics import all_inputs, raised, residual_input, weight_input
 from tpcomm.quant import per_group_quant_fp8, per_token_quant_fp8
-from tpcomm.reference import per_group_quant_reference, per_token_quant_reference
+from tpcomm.reference import per_group_quant_reference, per_group_ue8m0_quant_reference, per_token_quant_reference
 
 #: Per FP8 format: the byte of every NaN, the magnitude bits of +-MAX, the smallest normal (2^-6 e4m3fn,
 #: 2^-7 e4m3fnuz: below it the FP8 step is that of the subnormals).
@@ -40,7 +40,8 @@ class Fp8Case:
         shape: ``x``'s shape ``(T, H)`` or ``(B, S, H)``.
         dtype, w_dtype: input and norm-weight dtypes (``w_dtype`` None: the input's).
         algo: forced with ``Communicator.use_algorithm`` (lamport, one_shot, two_shot, fallback).
-        quant: ``fp8_per_token`` or ``fp8_per_group``; fp8: the FP8 dtype; group: ``group_size``.
+        quant: ``fp8_per_token``, ``fp8_per_group`` or ``fp8_per_group_ue8m0``; fp8: the FP8 dtype;
+            group: ``group_size``.
         column_major: ``column_major_scales``; residual, gemma, emit: the call's options.
         max_bytes: the communicator's (None: default; small: the call runs in several launches).
         special: overwrite rows 0..3 with zeros, a dominant element, a NaN and huge values (T >= 4).
@@ -75,7 +76,7 @@ class Fp8Case:
         """The quant keyword arguments of ``fused_add_rmsnorm``."""
         kw = dict(quant=self.quant, fp8_dtype=self.fp8, column_major_scales=self.column_major,
                   emit_unquantized=self.emit)
-        if self.quant == "fp8_per_group":  # per-token calls take no group_size (ValueError)
+        if self.quant != "fp8_per_token":  # per-token calls take no group_size (ValueError)
             kw["group_size"] = self.group
         return kw
 
@@ -85,13 +86,19 @@ def standalone_quant(out2d: torch.Tensor, quant: str, fp8, group: int, column_ma
     """``tpcomm.quant``'s Triton quant of a ``(T, H)`` output: ``(q, scales)``."""
     if quant == "fp8_per_token":
         return per_token_quant_fp8(out2d, fp8)
-    return per_group_quant_fp8(out2d, group, fp8, column_major_scales=column_major)
+    return per_group_quant_fp8(out2d, group, fp8, column_major_scales=column_major,
+                               ue8m0=quant == "fp8_per_group_ue8m0")
 
 
 def reference_quant(out2d: torch.Tensor, quant: str, fp8, group: int, column_major: bool):
     """``tpcomm.reference``'s plain-torch quant of a ``(T, H)`` output: ``(q, scales)``."""
     if quant == "fp8_per_token":
         return per_token_quant_reference(out2d, fp8)
+    if quant == "fp8_per_group_ue8m0":
+        q, scales = per_group_ue8m0_quant_reference(out2d, group, fp8)
+        if column_major:  # the (1, T) strides of a transposed (G, T) tensor, as the kernels write them
+            scales = torch.empty(scales.shape[::-1], dtype=scales.dtype, device=scales.device).t().copy_(scales)
+        return q, scales
     return per_group_quant_reference(out2d, group, fp8, column_major_scales=column_major)
 
 
@@ -113,10 +120,12 @@ def fp8_step(y: torch.Tensor, scale: torch.Tensor, fp8) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(a), e - 1 - FP8_MANTISSA_BITS) * scale
 
 
-def scale_rule_failures(q2: torch.Tensor, s2: torch.Tensor, out2: torch.Tensor, fp8) -> list[str]:
+def scale_rule_failures(q2: torch.Tensor, s2: torch.Tensor, out2: torch.Tensor, fp8, pow2: bool = False) -> list[str]:
     """The scale rules on fused bytes ``q2`` (``(T, H)`` uint8) and scales ``s2`` (``(T, G)``), per row
     (group), from the unquantised ``out2`` (``(T, H)``): amax 0 gives scale 1.0; a NaN gives the scale
-    0x7FC00000 and every byte the NaN byte; otherwise the amax's byte is +-MAX. Returns what failed."""
+    0x7FC00000 and every byte the NaN byte; otherwise the amax's byte is +-MAX, or with ``pow2``
+    (UE8M0 scales) every finite scale is a power of two with ``amax / scale`` in ``(MAX / 2, MAX]``
+    (unless the scale is the smallest, 2^-127). Returns what failed."""
     T, H = out2.shape
     G = s2.shape[1]
     o = out2.float().reshape(T, G, H // G)
@@ -134,6 +143,16 @@ def scale_rule_failures(q2: torch.Tensor, s2: torch.Tensor, out2: torch.Tensor, 
         failures.append(f"{int((qg[has_nan] != NAN_BYTE[fp8]).sum())} bytes of NaN groups are not the "
                         "NaN byte")
     finite = ~has_nan & (amax > 0) & amax.isfinite()
+    if pow2:
+        fmax = torch.finfo(fp8).max
+        sc = s2[finite]
+        ratio = amax[finite] / sc
+        power = (sc.contiguous().view(torch.int32) & 0x7FFFFF) == 0
+        ok = power & (ratio <= fmax) & ((ratio > fmax / 2) | (sc == 2.0 ** -127))
+        if not bool(ok.all()):
+            failures.append(f"{int((~ok).sum())} groups whose scale is no power of two with amax / scale in "
+                            f"(MAX / 2, MAX], e.g. {sc[~ok][:4].tolist()}")
+        return failures
     top = (qg & 0x7F).amax(-1)[finite]
     if not bool((top == MAX_CODE[fp8]).all()):
         failures.append(f"{int((top != MAX_CODE[fp8]).sum())} groups whose largest byte is not +-MAX, e.g. "

@@ -29,14 +29,15 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
-TOK, GRP = "fp8_per_token", "fp8_per_group"
+TOK, GRP, UE8 = "fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0"
 
 
 def _c(seed, algo, dtype, fp8, mode, residual, gemma, emit, shape, group=32, **kw):
-    """A case from a row of the tables below; ``mode`` is ``tok``, ``row`` or ``col``."""
-    return Fp8Case(seed=seed, shape=shape, dtype=dtype, algo=algo, quant=TOK if mode == "tok" else GRP,
-                   fp8=fp8, group=group, column_major=mode == "col", residual=residual, gemma=gemma,
-                   emit=emit, **kw)
+    """A case from a row of the tables below; ``mode`` is ``tok``, ``row`` or ``col`` (per group),
+    ``ue8`` or ``ue8col`` (per group, power-of-two scales)."""
+    quant = TOK if mode == "tok" else UE8 if mode.startswith("ue8") else GRP
+    return Fp8Case(seed=seed, shape=shape, dtype=dtype, algo=algo, quant=quant, fp8=fp8, group=group,
+                   column_major=mode.endswith("col"), residual=residual, gemma=gemma, emit=emit, **kw)
 
 
 # (world, case). Each algorithm meets both formats, both world sizes, with and without residual, Gemma and
@@ -56,6 +57,11 @@ MATRIX = [
     (3, _c(10, "fallback", FP16, FN, "tok", False, True, True, (5, 96), special=True)),
     (2, _c(11, "fallback", FP32, FNUZ, "row", True, False, False, (2, 2, 64))),
     (2, _c(12, "fallback", BF16, FN, "col", True, True, True, (4, 128))),
+    # power-of-two (UE8M0) group scales in every algorithm
+    (2, _c(13, "lamport", BF16, FN, "ue8", True, False, True, (5, 128), special=True)),
+    (3, _c(14, "one_shot", FP32, FNUZ, "ue8col", True, True, False, (4, 96))),
+    (2, _c(15, "two_shot", FP16, FN, "ue8", False, False, True, (5, 64), group=16, special=True)),
+    (3, _c(16, "fallback", BF16, FN, "ue8col", True, False, False, (4, 128), group=128)),
 ]
 
 #: Small max_bytes: 256 bytes carry 2 rows of 64 bf16 (1 of fp32) per one-shot or Lamport launch and 1
@@ -153,7 +159,8 @@ def check_fp8_case(case, results):
         _u8_equal(check, q2, res["ref_q"], f"{p}: bytes vs the torch quant of the unquantised call's out")
         _scales_equal(check, s2, res["ref_s"],
                       f"{p}: scales vs the torch quant of the unquantised call's out")
-        for failure in fc.scale_rule_failures(q2, s2, res["plain_out"].reshape(-1, H), case.fp8):
+        for failure in fc.scale_rule_failures(q2, s2, res["plain_out"].reshape(-1, H), case.fp8,
+                                               pow2=case.quant == UE8):
             check.that(False, f"{p}: {failure}")
         if not case.tiny:  # there the reference's y is +-Inf where out and the bytes are NaN
             failure = fc.dequantised_failure(q2, s2, res["y32"], case.fp8)

@@ -319,15 +319,16 @@ class Communicator:
                 float32).
             eps: >= 0, added to the mean square.
             gemma: use ``1 + w`` (Gemma-style norms).
-            quant: None, ``"fp8_per_token"`` or ``"fp8_per_group"``: also quantise ``out`` to FP8 in the
-                same kernel (docs/numerics.md item 4): ``scale = amax / MAX`` over the row (or group) of the
-                rounded ``out`` (1 where that is 0), ``q = fp8(out / scale)`` saturated to +-MAX; the
-                bytes and scales equal :func:`tpcomm.quant.per_token_quant_fp8` /
-                :func:`~tpcomm.quant.per_group_quant_fp8` applied to the unquantised ``out``.
+            quant: None, ``"fp8_per_token"``, ``"fp8_per_group"`` or ``"fp8_per_group_ue8m0"``: also
+                quantise ``out`` to FP8 in the same kernel (docs/numerics.md item 4): ``scale = amax / MAX``
+                over the row (or group) of the rounded ``out`` (1 where that is 0; with ``_ue8m0`` rounded
+                up to a power of two), ``q = fp8(out / scale)`` saturated to +-MAX; the bytes and scales
+                equal :func:`tpcomm.quant.per_token_quant_fp8` / :func:`~tpcomm.quant.per_group_quant_fp8`
+                (``ue8m0=True`` for the last form) applied to the unquantised ``out``.
             fp8_dtype: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz`` (MAX 240).
-            group_size: elements per scale of ``fp8_per_group`` (default 128, DeepSeek-V3's 1 x 128);
+            group_size: elements per scale of the per-group forms (default 128, DeepSeek-V3's 1 x 128);
                 a power of two that divides H. Another value with ``fp8_per_token`` raises ValueError.
-            column_major_scales: ``fp8_per_group`` only, ``x`` 2-D: return the scales as the transpose
+            column_major_scales: the per-group forms only, ``x`` 2-D: return the scales as the transpose
                 view of a contiguous ``(H / group_size, T)`` tensor (the layout grouped GEMMs read).
             emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
             out, residual_out: where to write ``out`` and ``residual_out`` instead of new tensors:

@@ -28,7 +28,7 @@ from . import reference
 from .dispatch import row_config
 from .env import interpreter_enabled, interpreter_problem
 from .kernels import quant as _k
-from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_TOKEN, QuantOut
+from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN, QuantOut
 from .validate import check_fp8_outputs
 
 #: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).
@@ -251,7 +251,7 @@ def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
 
 # -- outputs of the fused op ------------------------------------------------------------------------
 #: ``quant`` choices of ``fused_add_rmsnorm``.
-QUANT_MODES = ("fp8_per_token", "fp8_per_group")
+QUANT_MODES = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0")
 #: FP8 formats and their Triton types (e4m3fn: MAX 448; e4m3fnuz: MAX 240).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -285,7 +285,8 @@ class Fp8Outputs:
             row_stride, group_stride, group = 1, T, self.group_size
         else:
             row_stride, group_stride, group = self.scales_view.shape[-1], 1, self.group_size
-        mode = QUANT_PER_TOKEN.value if self.mode == "fp8_per_token" else QUANT_PER_GROUP.value
+        mode = {"fp8_per_token": QUANT_PER_TOKEN.value, "fp8_per_group": QUANT_PER_GROUP.value,
+                "fp8_per_group_ue8m0": QUANT_PER_GROUP_UE8M0.value}[self.mode]
         fp8 = tl.float8e4nv if self.fp8_dtype == torch.float8_e4m3fn else tl.float8e4b8
         return QuantOut(self.q_fp8.view(torch.uint8), self.scales_view, row_stride, group_stride,
                         mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out)
@@ -296,6 +297,8 @@ class Fp8Outputs:
         rows = out.reshape(-1, out.shape[-1])
         if self.mode == "fp8_per_token":
             q, s = reference.per_token_quant_reference(rows, self.fp8_dtype)
+        elif self.mode == "fp8_per_group_ue8m0":
+            q, s = reference.per_group_ue8m0_quant_reference(rows, self.group_size, self.fp8_dtype)
         else:
             q, s = reference.per_group_quant_reference(rows, self.group_size, self.fp8_dtype)
         self.q_fp8.view(-1, out.shape[-1]).copy_(q)
@@ -317,7 +320,7 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
     if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
             or fp8_dtype != torch.float8_e4m3fn):
         raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
-                         "quant='fp8_per_token' or 'fp8_per_group' (without quant they would be ignored)")
+                         "a quant form (quant='fp8_per_token', 'fp8_per_group' or 'fp8_per_group_ue8m0'; without it they would be ignored)")
 
 
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,
@@ -341,10 +344,12 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     lead = x.shape[:-1]
     if quant == "fp8_per_token":
         if column_major_scales:
-            raise ValueError(f"{op}: column_major_scales applies to quant='fp8_per_group' only")
+            raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "
+                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0')")
         if group_size != DEFAULT_GROUP_SIZE:
-            raise ValueError(f"{op}: group_size={group_size!r} applies to quant='fp8_per_group' only (per-token "
-                             "scales have one group: the row)")
+            raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
+                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; per-token scales have one group: "
+                             "the row)")
         # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
         scales = _scales(op, x, quant, fp8_dtype, (*lead, 1), False, q_out, scales_out)
         if H == 0:

@@ -205,5 +205,5 @@ def check_fp8_outputs(op: str, x, quant, q_out, scales_out, expected_scales: tor
             raise ValueError(f"{op}: scales_out has shape {tuple(scales_out.shape)} and dtype {scales_out.dtype}; "
                              f"expected {shape} and torch.float32")
         if any(st != want for st, want, n in zip(scales_out.stride(), strides, shape) if n > 1):
-            why = " (column_major_scales decides the layout)" if quant == "fp8_per_group" else " (row-major)"
+            why = " (column_major_scales decides the layout)" if quant != "fp8_per_token" else " (row-major)"
             raise ValueError(f"{op}: scales_out has strides {tuple(scales_out.stride())}; expected {strides}{why}")

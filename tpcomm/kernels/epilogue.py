@@ -28,13 +28,15 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
-from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, quantize,
+from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, pow2_ceil, quantize,
                     row_amax, store_fp8, token_division, widen)
 
 #: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
 QUANT_NONE = tl.constexpr(0)
 QUANT_PER_TOKEN = tl.constexpr(1)
 QUANT_PER_GROUP = tl.constexpr(2)
+#: Per group with power-of-two (UE8M0) scales: each group's scale rounded up (``quant.pow2_ceil``).
+QUANT_PER_GROUP_UE8M0 = tl.constexpr(3)
 
 #: ``SUM`` of :func:`reduce_norm_row`: where the row's sum ``s`` comes from: reduced from the ranks' rows
 #: (:func:`reduce_tile`), loaded as another program computed it (two-shot's gathered rows), or given
@@ -250,12 +252,16 @@ def tile_out_amax(p_max, inv, first, o, mask, DTYPE: tl.constexpr):
 
 @triton.jit
 def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, H,
-                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, SRC_BITS: tl.constexpr):
+                     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUP: tl.constexpr, SRC_BITS: tl.constexpr,
+                     UE8M0: tl.constexpr):
     """Per-group FP8 of one tile of ``out`` (float32 ``o``): the tile holds whole groups (``GROUP``
     divides ``BLOCK_H``), so bytes and scales are stored at once (docs/numerics.md item 4, per group).
-    ``SRC_BITS``: the bits of ``out``'s dtype (16-bit ones may take ``quant.divide``'s fast path)."""
+    ``SRC_BITS``: the bits of ``out``'s dtype (16-bit ones may take ``quant.divide``'s fast path).
+    ``UE8M0``: each scale rounded up to a power of two first (``quant.pow2_ceil``)."""
     NG: tl.constexpr = o.shape[0] // GROUP
     sc = fp8_scale(group_amax(o, mask, GROUP), FP8)
+    if UE8M0:
+        sc = pow2_ceil(sc)
     lane_scales, recip, fast = group_division(sc, SRC_BITS == 16, GROUP)
     store_fp8(q_row_ptr, cols, quantize(o, lane_scales, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
     g = tile * NG + tl.arange(0, NG)
@@ -286,9 +292,9 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     the input dtype) and run the epilogue.
 
     Without ``NORM`` stores ``s`` to ``out``. With ``NORM`` stores ``residual_out`` (when
-    ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN`` or
-    ``QUANT_PER_GROUP``) the FP8 bytes of ``out`` at ``q_row_ptr`` (uint8) and their float32 scales at
-    ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale). ``row_start`` is the row's
+    ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN``,
+    ``QUANT_PER_GROUP`` or ``QUANT_PER_GROUP_UE8M0``) the FP8 bytes of ``out`` at ``q_row_ptr`` (uint8)
+    and their float32 scales at ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale). ``row_start`` is the row's
     first element in the flat tensor; elements at or beyond ``numel`` are masked (plain all-reduce of a
     tensor that is not a whole number of rows).
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
@@ -324,9 +330,9 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                 recip, fast = token_division(scale, SRC16)
                 store_fp8(q_row_ptr, offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
-            elif QUANT == QUANT_PER_GROUP:
+            elif QUANT >= QUANT_PER_GROUP:
                 quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, offs, mask, 0, H, FP8, NATIVE_FP8,
-                                 GROUP, SRC_BITS)
+                                 GROUP, SRC_BITS, QUANT == QUANT_PER_GROUP_UE8M0)
         else:
             tl.store(out_row_ptr + offs, s, mask=mask)
     else:
@@ -378,9 +384,9 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                               mask, STORE_OUT)
                 if QUANT == QUANT_PER_TOKEN:
                     store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
-                elif QUANT == QUANT_PER_GROUP:
+                elif QUANT >= QUANT_PER_GROUP:
                     quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
-                                     NATIVE_FP8, GROUP, SRC_BITS)
+                                     NATIVE_FP8, GROUP, SRC_BITS, QUANT == QUANT_PER_GROUP_UE8M0)
             if QUANT == QUANT_PER_TOKEN:
                 tl.store(s_row_ptr, scale)
 
@@ -394,7 +400,7 @@ class QuantOut:
         scales: float32; the scale of group ``g`` of row ``i`` is at element
             ``i * row_stride + g * group_stride`` (per token: ``g`` is 0).
         row_stride, group_stride: element strides of ``scales`` (row-major or column-major layouts).
-        mode: ``QUANT_PER_TOKEN.value`` or ``QUANT_PER_GROUP.value``.
+        mode: ``QUANT_PER_TOKEN.value``, ``QUANT_PER_GROUP.value`` or ``QUANT_PER_GROUP_UE8M0.value``.
         fp8: ``tl.float8e4nv`` (e4m3fn) or ``tl.float8e4b8`` (e4m3fnuz).
         native: use the hardware conversion (:func:`tpcomm.quant.native_fp8`).
         group: elements per group (per-group mode; 1 otherwise).
