@@ -38,6 +38,15 @@ all_gpu_tests() {
     echo "hygiene rc=$?" >> $W/summary.txt; tail -1 $W/hygiene.log >> $W/summary.txt
 }
 
+# The one-GPU test files (loopback ranks; the FP8 quant tests) side by side, each within $1 seconds.
+one_gpu_tests() {
+    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py; do
+        (timeout $1 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
+         echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
+    done
+    wait
+}
+
 # Run "$@" with FlashInfer importable: its wheels and AOT modules from .whl/ (carry [".whl"]; see
 # docs/benchmarks.md "FlashInfer on the GPU machine") installed into a temporary site.
 with_flashinfer() {
@@ -105,11 +114,7 @@ check)
 loopback)
     # One GPU: tests/test_gpu_loopback.py (about 150 s, compiling) and the one-GPU FP8 tests side by side,
     # then dev_loopback's variants.
-    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py; do
-        (timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
-         echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
-    done
-    wait
+    one_gpu_tests 300
     timeout ${DECODE_S:-240} python3 benchmarks/dev_loopback.py --variants ${VARIANTS:-base,no_pdl} --replays 20 \
         --out $W > $W/dev_loopback.log 2>&1
     echo "dev_loopback rc=$?" >> $W/summary.txt ;;
@@ -122,11 +127,7 @@ peer)
     timeout ${HOST_S:-180} python3 benchmarks/host_loopback.py --out $W/host_loopback.json > $W/host_loopback.log 2>&1
     echo "host_loopback rc=$?" >> $W/summary.txt ;;
 decode1)
-    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py; do
-        (timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
-         echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
-    done
-    wait
+    one_gpu_tests 240
     with_flashinfer timeout 170 python3 -m tpcomm bench --loopback --tokens 1,16,64,256,1024 --json $W/bench-new.json \
         > $W/bench-new.log 2>&1
     echo "bench-new rc=$?" >> $W/summary.txt

@@ -103,20 +103,10 @@ if interpreter_enabled():
         """The interpreter's twin of the PTX spin (module docstring): ``words_ptr`` int32 pointers to
         each vector's first word, ``[V]``; ``active`` ``[V]`` bool; ``tag_ptr`` the sender's int64 tag.
         Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32."""
-        tag = tl.load(tag_ptr, volatile=True)
-        w0 = tl.load(words_ptr, mask=active, other=0, volatile=True)
-        w1 = tl.load(words_ptr + 1, mask=active, other=0, volatile=True)
-        w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
-        w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
-        missing = _missing(w0, w1, w2, w3, active, tag, want_low)
+        tag, w0, w1, w2, w3, missing = _poll(words_ptr, active, tag_ptr, want_low)
         while ((tl.max(missing.to(tl.int32), axis=0) > 0) & (now_ns() < deadline)
                & (_other_call(tag, want_low, signature) == 0)):
-            tag = tl.load(tag_ptr, volatile=True)
-            w0 = tl.load(words_ptr, mask=active, other=0, volatile=True)
-            w1 = tl.load(words_ptr + 1, mask=active, other=0, volatile=True)
-            w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
-            w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
-            missing = _missing(w0, w1, w2, w3, active, tag, want_low)
+            tag, w0, w1, w2, w3, missing = _poll(words_ptr, active, tag_ptr, want_low)
         status = tl.where(active & _other_call(tag, want_low, signature), 2, tl.where(missing, 1, 0))
         if REARM:
             arrived = active & (status == 0)
@@ -127,6 +117,16 @@ if interpreter_enabled():
     @triton.jit
     def _has_sentinel(w):
         return ((w & 0xFFFF) == 0x8000) | (((w >> 16) & 0xFFFF) == 0x8000)
+
+    @triton.jit
+    def _poll(words_ptr, active, tag_ptr, want_low):
+        """One round of the twin: the tag, the four words of every vector, and which are missing."""
+        tag = tl.load(tag_ptr, volatile=True)
+        w0 = tl.load(words_ptr, mask=active, other=0, volatile=True)
+        w1 = tl.load(words_ptr + 1, mask=active, other=0, volatile=True)
+        w2 = tl.load(words_ptr + 2, mask=active, other=0, volatile=True)
+        w3 = tl.load(words_ptr + 3, mask=active, other=0, volatile=True)
+        return tag, w0, w1, w2, w3, _missing(w0, w1, w2, w3, active, tag, want_low)
 
     @triton.jit
     def _other_call(tag, want_low, signature):
