@@ -308,8 +308,10 @@ def all_reduce_width(n: int, element_size: int, workspace=None, algorithm: str =
     back). The result is elementwise, so the width never changes a bit."""
     width = max(1, min(n, ALL_REDUCE_ROW))
     if algorithm == "lamport" and workspace is not None:  # wider rows when that means fewer per program
-        per_program = lambda w: -(-(-(-n // w)) // workspace.max_programs)  # noqa: E731
-        if per_program(LAMPORT_ALL_REDUCE_ROW) < per_program(width):
+        def rows_per_program(w: int) -> int:
+            return -(-(-(-n // w)) // workspace.max_programs)  # ceil(ceil(n / w) / max_programs)
+
+        if rows_per_program(LAMPORT_ALL_REDUCE_ROW) < rows_per_program(width):
             width = min(n, LAMPORT_ALL_REDUCE_ROW)
     if workspace is not None:
         width = min(width, max(16, workspace.half_slot_elems(element_size) // 16 * 16))

@@ -435,7 +435,8 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
     if quant is None:
         check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized)
         if q_out is not None or scales_out is not None:
-            raise ValueError("fused_add_rmsnorm: q_out and scales_out need a quant form (quant='fp8_per_token', 'fp8_per_group' or 'fp8_per_group_ue8m0')")
+            raise ValueError("fused_add_rmsnorm: q_out and scales_out need a quant form (quant='fp8_per_token', "
+                             "'fp8_per_group' or 'fp8_per_group_ue8m0')")
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual, weight, eps, gemma, out, passed_residual_out)
