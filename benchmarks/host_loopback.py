@@ -5,8 +5,8 @@ Method: for each op, rank 0 issues ``--calls`` calls inside its stream context, 
 (its first kernel pairs with rank 0's first, which waits on the GPU meanwhile), and so on; the host
 time of each rank's batch, divided by the calls, is the per-call host time (``run_ranks``' stream
 switches are outside the timed loops), reported per rank and as the median of the ranks; run it with
-two ``--calls`` (e.g. 25 and 200) to see whether a batch waits for a full launch queue. Every op runs ``--rounds`` times, interleaved with the others
-and with ``add_``; each number is the median of its rounds. Each op is timed with new outputs and
+two ``--calls`` (e.g. 25 and 200) to see whether a batch waits for a full launch queue. Every op runs
+``--rounds`` times, interleaved with the others and with ``add_``; each number is the median of its rounds. Each op is timed with new outputs and
 with outputs passed (``out=`` etc.), the FP8 forms per token and per group, at 1 and 64 tokens; then
 once more with ``TPCOMM_DIRECT_LAUNCH=0`` semantics (replays through ``kernel[grid]``), and in graph
 mode (median of 20 replays of 50 calls) for the graph-timing check. Every result is checked against

@@ -320,7 +320,8 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
     if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
             or fp8_dtype != torch.float8_e4m3fn):
         raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
-                         "a quant form (quant='fp8_per_token', 'fp8_per_group' or 'fp8_per_group_ue8m0'; without it they would be ignored)")
+                         "a quant form (quant='fp8_per_token', 'fp8_per_group' or 'fp8_per_group_ue8m0'; "
+                         "without it they would be ignored)")
 
 
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,

@@ -294,9 +294,9 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     Without ``NORM`` stores ``s`` to ``out``. With ``NORM`` stores ``residual_out`` (when
     ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN``,
     ``QUANT_PER_GROUP`` or ``QUANT_PER_GROUP_UE8M0``) the FP8 bytes of ``out`` at ``q_row_ptr`` (uint8)
-    and their float32 scales at ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale). ``row_start`` is the row's
-    first element in the flat tensor; elements at or beyond ``numel`` are masked (plain all-reduce of a
-    tensor that is not a whole number of rows).
+    and their float32 scales at ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale).
+    ``row_start`` is the row's first element in the flat tensor; elements at or beyond ``numel`` are
+    masked (plain all-reduce of a tensor that is not a whole number of rows).
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
     ``residual_out`` (or ``s`` into ``out``, whatever ``STORE_OUT``) and accumulates squares (and, for
     per-token FP8, the largest ``|v * w'|``, which gives the row's amax through :func:`out_amax` before
