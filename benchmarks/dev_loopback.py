@@ -24,25 +24,10 @@ H = 6144
 
 def graph_us(ranks, fn, calls, replays):
     """µs per call: every rank issues ``calls`` calls of ``fn(rank)`` on its own stream, captured in one
-    graph (one fork, one join, so consecutive calls of a rank are adjacent kernels, as on a GPU of its
-    own); median over ``replays`` replays."""
-    from tpcomm.loopback import run_ranks
+    graph (:func:`tpcomm.bench.loopback.graph_us`); median over ``replays`` replays."""
+    from tpcomm.bench.loopback import graph_us as timed
 
-    for _ in range(2):
-        run_ranks(ranks, fn)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run_ranks(ranks, lambda rank: [fn(rank) for _ in range(calls)])
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    return timed(lambda r: fn(ranks[r]), [rank.stream for rank in ranks], calls, replays)
 
 
 def _same(a, b):

@@ -201,7 +201,6 @@ def test_a_peer_making_another_call_is_reported(algo):
     """Rank 0 runs the fused op with a residual, rank 1 without (the same rows, bytes and grid): every
     rank raises ``PeerMismatchError`` (Lamport: the call tags; one-shot: the flags' signatures), none
     hangs."""
-    from tpcomm.errors import PeerMismatchError
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
     ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=5.0)
@@ -224,16 +223,25 @@ def test_a_peer_making_another_call_is_reported(algo):
         run_ranks(ranks, with_residual)
         run_ranks(ranks, without)
         torch.cuda.synchronize()
-        try:
-            run_ranks(ranks, call)
-        except PeerMismatchError:
-            pass  # rank 1's call may already find the error rank 0's kernel recorded
-        torch.cuda.synchronize()
-        for rank in ranks:
-            with pytest.raises(PeerMismatchError):
-                rank.check()
+        _every_rank_raises_mismatch(ranks, call)
     finally:
         close_group(ranks)
+
+
+def _every_rank_raises_mismatch(ranks, call):
+    """Run ``call`` (ranks making different calls) on every rank: each rank's ``check()`` then raises
+    ``PeerMismatchError`` (a rank's call itself may already raise it, from its peer's kernel)."""
+    from tpcomm.errors import PeerMismatchError
+    from tpcomm.loopback import run_ranks
+
+    try:
+        run_ranks(ranks, call)
+    except PeerMismatchError:
+        pass
+    torch.cuda.synchronize()
+    for rank in ranks:
+        with pytest.raises(PeerMismatchError):
+            rank.check()
 
 
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["direct_launch", "kernel_grid"])
@@ -301,7 +309,6 @@ def test_fail_close_create_cycles_leak_nothing():
     import os
 
     from tpcomm import reference as R
-    from tpcomm.errors import PeerMismatchError
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
     x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
@@ -317,14 +324,8 @@ def test_fail_close_create_cycles_leak_nothing():
             run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, None, w))
             torch.cuda.synchronize()
             assert all(_same(y, R.reduce_in_rank_order([x, x])) for y in right)
-            try:
-                run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x, x if rank.rank == 0 else None, w))
-            except PeerMismatchError:
-                pass  # a rank's call may already find the error its peer's kernel recorded
-            torch.cuda.synchronize()
-            for rank in ranks:
-                with pytest.raises(PeerMismatchError):
-                    rank.check()
+            _every_rank_raises_mismatch(
+                ranks, lambda rank: rank.fused_add_rmsnorm(x, x if rank.rank == 0 else None, w))
         finally:
             close_group(ranks)
 
