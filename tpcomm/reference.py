@@ -193,12 +193,7 @@ def _fp8_quantize_reference(v: torch.Tensor, amax: torch.Tensor, fp8_dtype: torc
     scale = amax / torch.full_like(amax, fp8_max)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # amax 0 (or an underflowing quotient)
     scale = torch.where(scale.isnan(), _F32_NAN, scale)  # one NaN bit pattern, whatever the platform's
-    qf = (v / scale).clamp(-fp8_max, fp8_max)  # saturate; clamp keeps NaN
-    # In range, torch's conversion rounds to nearest-even. Out of range it depends on the version and
-    # device (2.13 CPU saturates e4m3fn; 2.11 CUDA gives NaN above 464), hence the clamp first.
-    # NaN keeps its sign in torch (0xFF); here every NaN gets the one byte.
-    q = torch.where(qf.isnan(), _FP8_NAN_BYTE[fp8_dtype], qf.to(fp8_dtype).view(torch.uint8))
-    return q.to(torch.uint8).view(fp8_dtype), scale
+    return _fp8_bytes(v / scale, fp8_dtype), scale
 
 
 def per_token_quant_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
@@ -295,9 +290,12 @@ def _one_float32(op: str, name: str, t) -> torch.Tensor:
 
 def _fp8_bytes(qf: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 of float32 ``qf``: saturated to +-MAX, rounded to nearest even, every NaN as the canonical NaN
-    byte (the rules of :func:`_fp8_quantize_reference`)."""
+    byte (the byte rules of every FP8 reference here)."""
     fp8_max = torch.finfo(fp8_dtype).max
-    qf = qf.clamp(-fp8_max, fp8_max)  # clamp keeps NaN
+    qf = qf.clamp(-fp8_max, fp8_max)  # saturate; clamp keeps NaN
+    # In range, torch's conversion rounds to nearest-even. Out of range it depends on the version and
+    # device (2.13 CPU saturates e4m3fn; 2.11 CUDA gives NaN above 464), hence the clamp first.
+    # NaN keeps its sign in torch (0xFF); here every NaN gets the one byte.
     q = torch.where(qf.isnan(), _FP8_NAN_BYTE[fp8_dtype], qf.to(fp8_dtype).view(torch.uint8))
     return q.to(torch.uint8).view(fp8_dtype)
 
