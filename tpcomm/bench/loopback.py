@@ -171,7 +171,7 @@ class TrtllmLoopback:
                                        rms_gamma=w, rms_eps=eps, **common)
 
 
-def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float, max_programs=None) -> list[dict]:
+def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -> list[dict]:
     import warnings
 
     warnings.simplefilter("ignore")
@@ -222,8 +222,9 @@ def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float, m
 def child(library: str, W: int, H: int, tokens, calls: int, replays: int, eps: float,
           max_programs: int | None = None) -> list[dict]:
     """One library at one hidden size, in this process (the child of :func:`main`)."""
-    run = _tpcomm_rows if library == "tpcomm" else _trtllm_rows
-    return run(W, H, tokens, calls, replays, eps, max_programs)
+    if library == "tpcomm":
+        return _tpcomm_rows(W, H, tokens, calls, replays, eps, max_programs)
+    return _trtllm_rows(W, H, tokens, calls, replays, eps)
 
 
 def _run_child(library: str, W: int, H: int, tokens, calls: int, replays: int, eps: float,

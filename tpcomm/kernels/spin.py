@@ -131,12 +131,16 @@ if interpreter_enabled():
     @triton.jit
     def _other_call(tag, want_low, signature):
         """This epoch's tag with another call's signature."""
-        low = (tag & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-        return (low == want_low) & ((tag >> 32).to(tl.int32) != signature)
+        return (_low_word(tag) == want_low) & ((tag >> 32).to(tl.int32) != signature)
+
+    @triton.jit
+    def _low_word(tag):
+        """The tag's low 32 bits as int32 (what :func:`tag_low` gives)."""
+        return (tag & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
 
     @triton.jit
     def _missing(w0, w1, w2, w3, active, tag, want_low):
-        low = (tag & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+        low = _low_word(tag)
         data = _has_sentinel(w0) | _has_sentinel(w1) | _has_sentinel(w2) | _has_sentinel(w3)
         return active & (data | (low != want_low))
 else:
