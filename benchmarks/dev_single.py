@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dev_fused import graph_time  # noqa: E402
@@ -37,7 +38,16 @@ def _q_rcp(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _finish_none(state_ptr, epoch, num_programs):
+def _start_load(state_ptr, num_programs, PDL: tl.constexpr):
+    # the epoch by a plain load, no ticket: for the finish variants below, which count at the end
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    return tl.load(state_ptr, volatile=True), 0
+
+
+@triton.jit
+def _finish_none(state_ptr, epoch, ticket, num_programs):
     pass
 
 
@@ -52,17 +62,19 @@ def _patch(module: str, name: str, value):
 
 
 def _patch_finish(fn):
+    """Every kernel reads the epoch with a plain load and ends with ``fn``."""
     from tpcomm.kernels import gather, lamport, one_shot, two_shot
     for m in (gather, lamport, one_shot, two_shot):
         m.finish_program = fn
+        m.start_program = _start_load
 
 
 def _patch_warps(n):
     from tpcomm import dispatch
     row_config = dispatch.row_config
 
-    def with_warps(hidden, max_programs, two_shot=False):
-        cfg = row_config(hidden, max_programs, two_shot)
+    def with_warps(hidden, max_programs, two_shot=False, **kw):
+        cfg = row_config(hidden, max_programs, two_shot, **kw)
         return dispatch.RowConfig(cfg.block_h, cfg.num_tiles, n, cfg.max_programs)
     dispatch.row_config = with_warps
 
@@ -73,7 +85,7 @@ def _patch_no_preload():
 
 
 @triton.jit
-def _finish_acq_rel(state_ptr, epoch, num_programs):
+def _finish_acq_rel(state_ptr, epoch, ticket, num_programs):
     done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if done == num_programs - 1:
         tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
@@ -86,11 +98,23 @@ def _store_fp8_wide(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
 
 
 @triton.jit
-def _finish_counted(state_ptr, epoch, num_programs):
-    done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")  # one program counted too, as before
+def _finish_counted(state_ptr, epoch, ticket, num_programs):
+    done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")  # one program counted too
     if done == num_programs - 1:
         tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _finish_at_end(state_ptr, epoch, ticket, num_programs):
+    # the counter bumped at the end, the last program advancing the epoch (one program: a plain store)
+    if num_programs == 1:
+        tl.store(state_ptr, epoch + 1)
+    else:
+        done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")
+        if done == num_programs - 1:
+            tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -153,6 +177,7 @@ VARIANTS = {
     # Lamport reads its tiles again after the poll, as before
     "lamport_reload": lambda: _patch("kernels.lamport", "SUM_GIVEN", SUM_REDUCE),
     "finish_counted": lambda: _patch_finish(_finish_counted),
+    "finish_at_end": lambda: _patch_finish(_finish_at_end),
     "scale_one": lambda: _patch("kernels.epilogue", "fp8_scale", _scale_one),
     "clamp": lambda: _patch("kernels.quant", "fp8_encode", _fp8_encode_clamped),
     "tree_levels": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_levels),

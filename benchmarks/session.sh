@@ -15,6 +15,11 @@
 #   bash benchmarks/session.sh decode1   # ONE GPU (carry [".whl", ".old"]): the loopback and FP8 GPU tests, then
 #                                        # bench --loopback of this tree and of .old/ (the kernels to compare
 #                                        # against: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`)
+#   bash benchmarks/session.sh decode3   # ONE GPU: where the host time of a repeated call goes
+#                                        # (benchmarks/host_profile.py), kernel variants (VARIANTS, default
+#                                        # base,finish_at_end), then the loopback and FP8 GPU tests
+#   bash benchmarks/session.sh decode4   # ONE GPU (carry [".whl", ".old"]): the replay test, host time per
+#                                        # call, then bench --loopback (1-4096 tokens) of this tree and of .old/
 #   bash benchmarks/session.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
 #                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
@@ -136,6 +141,29 @@ decode1)
         (cd .old && PYTHONPATH=. timeout 120 python3 -m tpcomm bench --loopback --tokens 1,16,64,256,1024 \
             --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt)
     fi ;;
+decode3)
+    timeout 80 python3 benchmarks/host_profile.py > $W/host_profile.log 2>&1
+    echo "host_profile rc=$?" >> $W/summary.txt
+    timeout ${DECODE_S:-200} python3 benchmarks/dev_loopback.py --variants ${VARIANTS:-base,finish_at_end} --replays 20 \
+        --out $W > $W/dev_loopback.log 2>&1
+    echo "dev_loopback rc=$?" >> $W/summary.txt
+    one_gpu_tests 220 ;;
+decode4)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py -k repeated \
+        > $W/replay_tests.log 2>&1
+    echo "replay_tests rc=$?" >> $W/summary.txt; tail -1 $W/replay_tests.log >> $W/summary.txt
+    timeout 90 python3 benchmarks/host_loopback.py --calls 200 --rounds 5 --out $W/host_loopback.json \
+        > $W/host_loopback.log 2>&1
+    echo "host_loopback rc=$?" >> $W/summary.txt
+    with_flashinfer timeout 220 python3 -m tpcomm bench --loopback --tokens 1,16,64,256,1024,4096 --json $W/bench-new.json \
+        > $W/bench-new.log 2>&1
+    echo "bench-new rc=$?" >> $W/summary.txt
+    with_flashinfer timeout 90 python3 -m tpcomm bench --loopback --world 4 --hidden 6144 --tokens 1,16,64,256 \
+        --json $W/bench-w4.json > $W/bench-w4.log 2>&1
+    echo "bench-w4 rc=$?" >> $W/summary.txt
+    cp tpcomm/bench/loopback.py tpcomm/bench/args.py .old/tpcomm/bench/
+    (cd .old && PYTHONPATH=. timeout 120 python3 -m tpcomm bench --loopback --tokens 256,1024,4096 \
+        --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt) ;;
 decode2)
     for n in 25 200; do
         timeout 80 python3 benchmarks/host_loopback.py --calls $n --rounds 5 --out $W/host_loopback_$n.json \
@@ -149,7 +177,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"

@@ -118,6 +118,37 @@ def test_replay_launches_with_the_new_tensors_in_its_slots():
     assert call.params[0] is x  # the recorded call is unchanged
 
 
+def test_direct_replay_runs_the_launcher_unless_a_launch_hook_is_set():
+    """A direct replay calls the compiled kernel's launcher when Triton's launch hooks run nothing (None,
+    or an empty hook chain as Triton 3.5+ keeps them), and goes through ``kernel[grid]`` (which calls
+    the hook) when a hook is set."""
+    from triton import knobs
+
+    x, out = torch.arange(8.0), torch.empty(8)
+    call = KernelCall(_scale_kernel, 2, (x, out), dict(n=8, factor=3.0, BLOCK=4))
+    replay = Replay(call, ((0, 0), (1, 1)), call.launch(), direct=False, device_index=0)
+    launched = []
+    replay.bind_launcher(lambda *args: launched.append(args), "function", "metadata")
+    replay._current_device = lambda: 0  # as if on the recording device
+    runtime = knobs.runtime
+    before = runtime.launch_enter_hook
+    x2, out2 = torch.full((8,), 5.0), torch.zeros(8)
+    try:
+        for idle in (None, type(before)() if hasattr(before, "calls") else None):
+            runtime.launch_enter_hook = idle
+            replay.launch((x2, out2), stream=7)
+            assert len(launched) == 1, f"hook {idle!r}: the launcher was not called"
+            grid, gy, gz, stream, fn, meta, _launch_meta, enter, exit_, *params = launched.pop()
+            assert (grid, gy, gz, stream, fn, meta, enter, exit_) == (2, 1, 1, 7, "function", "metadata", None, None)
+            assert params == [x2.data_ptr(), out2.data_ptr(), 8, 3.0, 4]
+        seen = []
+        runtime.launch_enter_hook = lambda *a: seen.append(a)  # a profiler's hook: kernel[grid] calls it
+        replay.launch((x2, out2), stream=7)
+        assert not launched and torch.equal(out2, torch.full((8,), 15.0))
+    finally:
+        runtime.launch_enter_hook = before
+
+
 def test_direct_launch_needs_cuda_and_no_interpreter():
     assert not direct_launch_supported(torch.device("cpu"))
     assert not direct_launch_supported(torch.device("cuda", 0), enabled=False)

@@ -250,7 +250,8 @@ def test_repeated_calls_replay_the_first_calls_bits(monkeypatch, direct, algo):
     """Each op three times on every rank (the first call recorded, the next two replayed: through the
     compiled kernel's launcher, or with ``TPCOMM_DIRECT_LAUNCH=0`` through ``kernel[grid]``), with given
     outputs too: every call matches the reference on every rank, and the replays are direct exactly when
-    asked for (Triton's binder confirmed each recorded launch)."""
+    asked for (Triton's binder confirmed each recorded launch, and no replayed call reached
+    ``JITFunction.run``)."""
     from tpcomm import reference as R
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
@@ -271,7 +272,18 @@ def test_repeated_calls_replay_the_first_calls_bits(monkeypatch, direct, algo):
                     return fn(rank, xs[rank.rank])
             return run_ranks(ranks, call)
 
+        from triton.runtime.jit import JITFunction
+
+        through_run = []  # kernel[grid] launches (JITFunction.run) of the replayed calls
+        run = JITFunction.run
+
+        def counted(self, *args, **kwargs):
+            through_run.append(self.__name__)
+            return run(self, *args, **kwargs)
+
         for rep in range(3):
+            if rep == 1:
+                monkeypatch.setattr(JITFunction, "run", counted)
             ar = each(lambda rank, x: rank.all_reduce(x))
             fused = each(lambda rank, x: rank.fused_add_rmsnorm(x, res, w, 1e-6))
             given = each(lambda rank, x: rank.fused_add_rmsnorm(x, residuals[rank.rank][rep], w, 1e-6,
@@ -291,6 +303,11 @@ def test_repeated_calls_replay_the_first_calls_bits(monkeypatch, direct, algo):
                     and _same(fp8[r][1], sc_ref), f"{where}: fused FP8"
                 assert _same(gathered[r], torch.cat(xs)), f"{where}: all_gather"
                 assert _same(shares[r], torch.tensor_split(s, 2)[r]), f"{where}: reduce_scatter"
+        monkeypatch.setattr(JITFunction, "run", run)
+        if direct == "1":
+            assert not through_run, f"replays through kernel[grid]: {sorted(set(through_run))}"
+        else:
+            assert through_run, "TPCOMM_DIRECT_LAUNCH=0, yet no replay went through kernel[grid]"
         for rank in ranks:
             rank.check()
             entries = list(rank._calls._entries.values())

@@ -82,13 +82,15 @@ class RowConfig:
 
 
 @functools.lru_cache(maxsize=4096)
-def row_config(hidden: int, max_programs: int, two_shot: bool = False) -> RowConfig:
+def row_config(hidden: int, max_programs: int, two_shot: bool = False,
+               factor: int = TWO_SHOT_GRID_FACTOR) -> RowConfig:
     """The :class:`RowConfig` for rows of ``hidden`` elements; ``max_programs`` is the grid cap agreed at
     set-up (``Workspace.max_programs``).
 
     With ``two_shot``, rows of one tile of 4096 elements or more (hidden 2049-8192, and the flat
-    all-reduce's rows) run 8 warps instead of 16, and up to twice ``max_programs`` programs (as many warps
-    in flight; ``Workspace.pad_programs`` has their flags). Rows of two tiles or more keep 16 warps: with
+    all-reduce's rows) run 8 warps instead of 16, and up to ``factor`` times ``max_programs`` programs
+    (twice by default: as many warps in flight; ``Workspace.pad_programs`` has their flags; loopback
+    ranks take 1). Rows of two tiles or more keep 16 warps: with
     8, ptxas spills 0.7-1.6 KB per thread there against 0.1-0.3 KB with 16 (``python
     benchmarks/compile_sm90.py --regs``, Triton 3.9), and that case was not timed on GPUs.
     Source: 2 H200s, bf16, CUDA graphs, ``benchmarks/dev_large.py``
@@ -104,7 +106,7 @@ def row_config(hidden: int, max_programs: int, two_shot: bool = False) -> RowCon
     num_tiles = -(-hidden // block_h)
     num_warps = 4 if block_h <= 1024 else 8 if block_h <= 2048 else 16
     if two_shot and num_warps == 16 and num_tiles == 1:
-        return RowConfig(block_h, num_tiles, 8, TWO_SHOT_GRID_FACTOR * max_programs)
+        return RowConfig(block_h, num_tiles, 8, factor * max_programs)
     return RowConfig(block_h, num_tiles, num_warps, max_programs)
 
 

@@ -84,13 +84,15 @@ class Workspace:
         self._make_tables(bases)
 
     def _lay_out(self, rank: int, world_size: int, device: torch.device, slot_bytes: int, max_programs: int,
-                 timeout_s: float, lamport_slot_bytes: int, pdl: bool) -> None:
-        """Sizes of the layout and local settings (no allocation, no collective)."""
+                 timeout_s: float, lamport_slot_bytes: int, pdl: bool,
+                 two_shot_factor: int = TWO_SHOT_GRID_FACTOR) -> None:
+        """Sizes of the layout and local settings (no allocation, no collective). ``two_shot_factor``:
+        two-shot's grid cap over ``max_programs`` on rows of one tile of 4096+ elements."""
         self.device = device
         self.rank = rank
         self.world_size = world_size
         self.max_programs = max_programs
-        self.pad_programs = TWO_SHOT_GRID_FACTOR * max_programs
+        self.pad_programs = two_shot_factor * max_programs
         self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
         self.flag_bytes = _round_up(2 * PHASES * self.pad_programs * self.world_size * 8, _ALIGN)
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
@@ -121,15 +123,18 @@ class Workspace:
 
     @classmethod
     def loopback(cls, world_size: int, device: torch.device, slot_bytes: int, max_programs: int,
-                 timeout_s: float, lamport_slot_bytes: int, pdl: bool) -> list["Workspace"]:
+                 timeout_s: float, lamport_slot_bytes: int, pdl: bool, two_shot_factor: int = 1) -> list["Workspace"]:
         """Every rank's workspace of a group whose ranks share this process and ``device``
         (:mod:`tpcomm.loopback`): plain device allocations, in rank order. Each keeps every rank's buffer
-        alive (``peer_buffers``), so closing one rank never frees memory the others still write."""
+        alive (``peer_buffers``), so closing one rank never frees memory the others still write.
+        ``two_shot_factor``: as :meth:`_lay_out`; 1 by default, so that no launch has more programs than
+        ``max_programs`` and every rank's programs fit the GPU together."""
         workspaces = []
         for r in range(world_size):
             ws = cls.__new__(cls)
             ws.group = None
-            ws._lay_out(r, world_size, device, slot_bytes, max_programs, timeout_s, lamport_slot_bytes, pdl)
+            ws._lay_out(r, world_size, device, slot_bytes, max_programs, timeout_s, lamport_slot_bytes, pdl,
+                        two_shot_factor)
             ws.buffer = torch.empty(ws.total_bytes, dtype=torch.uint8, device=device)
             ws._arm(ws.buffer)
             workspaces.append(ws)
@@ -140,7 +145,7 @@ class Workspace:
 
     def launch_options(self) -> dict:
         """Keyword arguments every communication kernel's launch takes: ``PDL`` (the kernels' constexpr,
-        :func:`tpcomm.kernels.sync.read_epoch`) and Triton's ``launch_pdl``, both ``self.pdl``."""
+        :func:`tpcomm.kernels.sync.start_program`) and Triton's ``launch_pdl``, both ``self.pdl``."""
         return self._launch_options
 
     # -- backends -----------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def two_shot_launches(ws, world_size: int, x, out, residual, residual_out, weigh
                       call: tuple = ()) -> Iterator[KernelCall]:
     """The two-shot launches over ``n_rows`` rows of ``H``: each covers the same local rows of every
     rank's share. ``scatter_only``: reduce-scatter (``out`` is this rank's share)."""
-    cfg = dispatch.row_config(H, ws.max_programs, two_shot=True)
+    cfg = dispatch.row_config(H, ws.max_programs, two_shot=True, factor=ws.pad_programs // ws.max_programs)
     per_launch = ws.share_rows_per_launch(H, x.element_size())
     longest = -(-n_rows // world_size)
     for j0 in range(0, longest, per_launch):

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .launch import KernelCall
-from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
+from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, start_program
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -28,7 +28,7 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch = read_epoch(state_ptr, PDL)
+    epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -64,7 +64,7 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
                                 cache_modifier=".cg")
                     tl.store(out_ptr + q * out_rank_stride + row_start + cols, v, mask=mask)
 
-    finish_program(state_ptr, epoch, num_programs)
+    finish_program(state_ptr, epoch, ticket, num_programs)
 
 
 def all_gather_call(x, out, out_rank_stride: int, ws, n_rows: int, width: int, cfg, signature: int) -> KernelCall:

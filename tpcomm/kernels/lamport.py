@@ -42,7 +42,7 @@ from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_qua
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .launch import KernelCall
-from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, read_epoch, record_error,
+from .sync import (ERR_MISMATCH, finish_program, launch_timeout, now_ns, peer_ptr, start_program, record_error,
                    record_timeout)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
@@ -147,7 +147,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch = read_epoch(state_ptr, PDL)
+    epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     offs = tl.arange(0, BLOCK_H)
@@ -232,7 +232,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                         tl.store(recv_bits + q * slot_stride + row * row_stride + cols,
                                  tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
 
-    finish_program(state_ptr, epoch, num_programs)
+    finish_program(state_ptr, epoch, ticket, num_programs)
 
 
 def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,

@@ -17,11 +17,11 @@ from another call's tensors (the cached path of :mod:`tpcomm.call_cache`). It la
   recorded, the replay asks Triton's own binder which compiled kernel these parameters select; if that
   is not the kernel the launch returned, if the kernel has pre-run hooks, if the installed Triton's
   ``JITFunction.run`` does not launch this way (read from its source), or any step of that check is
-  missing, the replay launches through ``kernel[grid]`` instead. Launch hooks (a profiler's) and a
-  current device other than the recording one also send a replay through ``kernel[grid]``. What a direct
-  replay does not redo: ``JITFunction.run``'s check that the globals a kernel read have not changed (the
-  kernels read only module constants), and its reading of ``knobs`` (debug, instrumentation) after the
-  launch was recorded.
+  missing, the replay launches through ``kernel[grid]`` instead. Launch hooks (a profiler's: a hook
+  chain with calls in it) and a current device other than the recording one also send a replay through
+  ``kernel[grid]``. What a direct replay does not redo: ``JITFunction.run``'s check that the globals a
+  kernel read have not changed (the kernels read only module constants), and its reading of ``knobs``
+  (debug, instrumentation) after the launch was recorded.
 * **through** ``kernel[grid](...)`` everywhere else: the interpreter (CPU ranks), other Triton versions.
 """
 
@@ -132,6 +132,13 @@ def _same_kernel(call: KernelCall, compiled) -> bool:
         return False
 
 
+def _idle(hook) -> bool:
+    """Whether a launch hook of ``triton.knobs.runtime`` runs nothing: None, or (Triton 3.5+, where each
+    hook is a ``HookChain``) a chain without calls. Anything else (a profiler's hook) sends a replay
+    through ``kernel[grid]``, which calls it."""
+    return hook is None or (hook.__class__.__name__ == "HookChain" and not hook.calls)
+
+
 class Replay:
     """A launch recorded from ``call``, replayed with other tensors in the slots ``slots`` names.
 
@@ -192,7 +199,7 @@ class Replay:
         ``kernel[grid]`` gets it viewed as the recorded dtype, e.g. FP8 bytes as ``uint8``). ``stream``:
         the raw CUDA stream (``torch._C._cuda_getCurrentRawStream``), needed by a direct replay."""
         hooks = self._hooks if self.direct else None
-        if (hooks is not None and hooks.launch_enter_hook is None and hooks.launch_exit_hook is None
+        if (hooks is not None and _idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)
                 and self._current_device() == self.device_index):
             params = self._params  # integers only: no tensor stays referenced
             for j, targets in zip(self._sources, self._targets):

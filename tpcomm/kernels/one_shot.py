@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .launch import KernelCall
-from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch
+from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, start_program
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -39,7 +39,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                      GROUP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch = read_epoch(state_ptr, PDL)
+    epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -80,7 +80,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_REDUCE,
                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)
 
-    finish_program(state_ptr, epoch, num_programs)
+    finish_program(state_ptr, epoch, ticket, num_programs)
 
 
 def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,

@@ -23,13 +23,14 @@ Protocol:
     (``state[2]``, device memory) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
     later launch, gives up at once, so a call of many rows or chunks reports after one timeout.
-  * Epochs advance inside the kernels: each program reads the epoch when it starts and bumps a finish
-    counter when it ends; the program that brings the counter to the grid size resets it and advances
-    the epoch (a launch of one program stores the next epoch directly). That program runs after every
-    other program has read the epoch, and the next launch on the stream sees the new value, so a launch
-    of any grid size advances the epoch exactly once. With programmatic dependent launch the next
-    launch's programs may start early, but they read the epoch only after ``griddepcontrol.wait``
-    (:func:`read_epoch`), which returns once this launch has finished.
+  * Epochs advance inside the kernels: each program reads the epoch and takes a ticket from a start
+    counter in one atomic when it starts; the program with the last ticket resets the counter and
+    advances the epoch when it ends (a launch of one program reads and stores the epoch directly).
+    Every other program has read the epoch before that program's ticket, and the next launch on the
+    stream sees the new value, so a launch of any grid size advances the epoch exactly once. With
+    programmatic dependent launch the next launch's programs may start early, but they read the epoch
+    only after ``griddepcontrol.wait`` (:func:`start_program`), which returns once this launch has
+    finished.
 """
 
 import time
@@ -230,42 +231,46 @@ def launch_timeout(state_ptr, timeout):
 
 
 @triton.jit
-def read_epoch(state_ptr, PDL: tl.constexpr):
-    """The epoch of this launch (``state_ptr[0]``), read once at a program's start: every kernel's first
-    global memory access.
+def start_program(state_ptr, num_programs, PDL: tl.constexpr):
+    """``(epoch, ticket)`` of this program: the epoch of this launch (``state[0]``), read once at the
+    program's start as every kernel's first global memory access, and this program's place in the order
+    the programs started (``0 .. num_programs - 1``; :func:`finish_program` lets the last one advance the
+    epoch).
+
+    A launch of several programs reads both with one 64-bit ``atomic_add`` of ``1 << 32`` on
+    ``state[0:2]`` (the epoch in the low word, the start counter in the high word): the epoch a program
+    uses and its ticket come from the same read, so the last starter sees every other program's read
+    before its own. The atomic's round trip overlaps the start of the program's work instead of
+    following its end (docs/benchmarks.md, "Decode kernels"). A launch of one program reads the epoch
+    with a plain load (ticket 0).
 
     With ``PDL`` (the launch carries programmatic dependent launch, ``Workspace.pdl``): first wait until
     the previous kernel on the stream has finished and its writes are visible (``griddepcontrol.wait``:
     the epoch, the re-armed buffers, the input), then let the next kernel on the stream start launching
-    (``griddepcontrol.launch_dependents``; its programs wait in their own ``read_epoch``). The next
+    (``griddepcontrol.launch_dependents``; its programs wait in their own ``start_program``). The next
     launch's set-up then overlaps this kernel instead of following it.
     """
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    return tl.load(state_ptr, volatile=True)
+    if num_programs == 1:
+        epoch = tl.load(state_ptr, volatile=True)
+        ticket = num_programs - 1
+    else:
+        word = tl.atomic_add(state_ptr.to(tl.pointer_type(tl.int64)), 1 << 32, sem="relaxed", scope="gpu")
+        epoch = word.to(tl.int32)
+        ticket = (word >> 32).to(tl.int32)
+    return epoch, ticket
 
 
 @triton.jit
-def finish_program(state_ptr, epoch, num_programs):
-    """Count this program as finished; the last one resets the counter and advances the epoch. A launch
-    of one program (decode's one row) advances the epoch with a plain store instead: it is the only
-    reader of the epoch, and skips the atomic's round trip to memory at the end of every call (a fused
-    call of 1 x 6144 bf16 took 4.51 µs against 4.94 with the counter for Lamport, 4.43 against 5.04 for
-    one-shot: loopback ranks on one H200, ``benchmarks/dev_loopback.py --variants
-    base,finish_counted``, docs/benchmarks.md).
-
-    Relaxed atomics are enough: the counter's atomicity makes exactly one program the last, every
-    program read the epoch (and used it) before its increment, and the next launch on the stream sees
-    both writes at the kernel boundary. (The safety rests on those dependencies and on stream order, not
-    on the PTX ordering of the atomics.) Release semantics cost a fence before the count, probably one
-    that waits for the program's pushed NVLink stores: in one run on 2 H200s a Lamport fused call of
-    1 x 6144 bf16 took 8.7 µs with ``acq_rel`` and 6.4 µs relaxed, all-reduce 6.9 and 4.3 µs
-    (``benchmarks/dev_decode.py``; that harness was noisy then, docs/benchmarks.md)."""
-    if num_programs == 1:
+def finish_program(state_ptr, epoch, ticket, num_programs):
+    """The end of a program that :func:`start_program` gave ``(epoch, ticket)``: the last program to
+    start resets the start counter and advances the epoch, with plain stores (no round trip to memory
+    at the end of the call). Every other program of the launch has read the epoch by then (its ticket
+    came before), no program reads it again, and the next launch on the stream sees both stores at the
+    kernel boundary (after ``griddepcontrol.wait`` with PDL), so a launch of any grid size advances the
+    epoch exactly once."""
+    if ticket == num_programs - 1:
+        tl.store(state_ptr + 1, 0)
         tl.store(state_ptr, epoch + 1)
-    else:
-        done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")
-        if done == num_programs - 1:
-            tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, SUM_LOAD, no_quant_args, reduce_norm_row, reduce_tile, round_to
 from .launch import KernelCall
-from .sync import (exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, read_epoch,
+from .sync import (exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, start_program,
                    signal_peers, wait_peers)
 
 
@@ -78,7 +78,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                      PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch = read_epoch(state_ptr, PDL)
+    epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -159,7 +159,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
 
-    finish_program(state_ptr, epoch, num_programs)
+    finish_program(state_ptr, epoch, ticket, num_programs)
 
 
 def two_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, j0: int, n_local: int, H: int,
