@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import Replay
-from .validate import overlapping
 
 #: Keys a communicator remembers; the oldest goes first.
 MAX_ENTRIES = 512
@@ -42,6 +41,17 @@ def new_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 _NEW = torch.empty_strided
+_LIKE = torch.empty_like
+#: An output whose layout is the input ``x``'s: made by ``torch.empty_like(x)`` (a fraction of a µs less
+#: than ``torch.empty_strided``; a repeated call's ``x`` has the recorded one's layout, by its key).
+LIKE_X = "like x"
+
+
+def _new(o, x: torch.Tensor) -> torch.Tensor:
+    """A new output of layout ``o`` (:attr:`CachedCall.outputs`) for a call whose input is ``x``."""
+    if o is LIKE_X:
+        return _LIKE(x)
+    return _NEW(o[0], o[1], dtype=o[2], device=o[3])
 
 
 class CachedCall:
@@ -52,17 +62,20 @@ class CachedCall:
         direct: every replay was confirmed for the compiled kernel's launcher.
         spec: the op's own facts (see the ``*_hit`` functions).
         outputs: per output the op allocates, ``(shape, strides, dtype, device)`` of the first call's
-            tensor (``torch.empty_strided`` makes the same), or None where the caller passed it or the
-            call has none.
+            tensor (``torch.empty_strided`` makes the same), ``LIKE_X`` where that is the layout of the
+            call's input ``x`` (``torch.empty_like(x)`` makes it), or None where the caller passed it or
+            the call has none.
     """
 
     __slots__ = ("replays", "direct", "spec", "outputs")
 
-    def __init__(self, replays: tuple, spec: tuple, outputs: tuple):
+    def __init__(self, replays: tuple, spec: tuple, outputs: tuple, x: torch.Tensor | None = None):
         self.replays = replays
         self.direct = all(r.direct for r in replays)
         self.spec = spec
-        self.outputs = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs)
+        like = None if x is None else (tuple(x.shape), x.stride(), x.dtype, x.device)
+        layouts = (None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs)
+        self.outputs = tuple(LIKE_X if o is not None and o == like else o for o in layouts)
 
 
 class CallCache:
@@ -144,12 +157,12 @@ def _tensor(t) -> bool:
 
 
 def alignment(*tensors) -> int:
-    """0 when every tensor's address is a multiple of 16 bytes (Triton specialises pointer parameters on
-    it, so a direct replay must see the same pattern), else one bit per misaligned tensor, plus 1."""
-    ptrs = [t.data_ptr() for t in tensors if t is not None]
-    if not any(p & 15 for p in ptrs):
-        return 0
-    return 1 + sum(2 << k for k, t in enumerate(tensors) if t is not None and t.data_ptr() & 15)
+    """Each tensor's address modulo 16, four bits a tensor (None: 0): Triton specialises pointer
+    parameters on 16-byte alignment, so a direct replay must see the same pattern (0: all aligned)."""
+    a = 0
+    for t in tensors:
+        a = a << 4 | (0 if t is None else t.data_ptr() & 15)
+    return a
 
 
 def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
@@ -202,8 +215,7 @@ def all_reduce_hit(comm, entry: CachedCall, x, out):
     """A repeated ``all_reduce``, or None: take the full path (an ``out`` that overlaps ``x`` in part,
     which the full path reduces from a copy)."""
     if out is None:
-        o = entry.outputs[0]
-        out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
+        out = _new(entry.outputs[0], x)
     elif out is not x and 0 < abs(out.data_ptr() - x.data_ptr()) < x.numel() * x.element_size():
         return None
     comm._replay("all_reduce", entry, (x, out))
@@ -215,34 +227,59 @@ def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q
     another output). ``entry.spec``: ``(quant, emit_unquantized)``; ``entry.outputs``: out,
     residual_out, q, scales."""
     if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
-        if overlapping((out, residual_out, q_out, scales_out), (x, residual, weight), ((1, 1),)) is not None:
+        given = (out, None if residual_out is residual else residual_out, q_out, scales_out)
+        if not _outputs_clear(given, (x, residual, weight)):
             return None
     o, ro, qo, so = entry.outputs
     if out is None and o is not None:  # None: FP8 bytes only, out not written (the kernels take residual_out)
-        out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
+        out = _new(o, x)
     if ro is not None and residual_out is None:
-        residual_out = _NEW(ro[0], ro[1], dtype=ro[2], device=ro[3])
+        residual_out = _new(ro, x)
     quant, emit = entry.spec
     if quant is None:
         comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None))
         return out, residual_out
-    q = q_out if qo is None else _NEW(qo[0], qo[1], dtype=qo[2], device=qo[3])
-    scales = scales_out if so is None else _NEW(so[0], so[1], dtype=so[2], device=so[3])
+    q = q_out if qo is None else _new(qo, x)
+    scales = scales_out if so is None else _new(so, x)
     comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q, scales))
     return q, scales, residual_out, (out if emit else None)
 
 
+def _outputs_clear(outputs: tuple, inputs: tuple) -> bool:
+    """Whether the given outputs (None: not given) share no byte with each other or with the inputs
+    (every tensor of a recorded call is contiguous, so each is the span of its bytes; an empty one
+    shares nothing). An in-place ``residual_out`` is passed as None: it is ``residual`` itself, which
+    the kernels read and write row by row. :func:`tpcomm.validate.overlapping` on the hit path."""
+    spans = []
+    for t in outputs:
+        if t is not None:
+            p = t.data_ptr()
+            e = p + t.numel() * t.element_size()
+            if e > p:
+                for s0, e0 in spans:
+                    if p < e0 and s0 < e:
+                        return False
+                spans.append((p, e))
+    for t in inputs:
+        if t is not None:
+            p = t.data_ptr()
+            e = p + t.numel() * t.element_size()
+            if e > p:
+                for s0, e0 in spans:
+                    if p < e0 and s0 < e:
+                        return False
+    return True
+
+
 def gather_hit(comm, entry: CachedCall, x):
     """A repeated ``all_gather`` along dim 0."""
-    o = entry.outputs[0]
-    out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
+    out = _new(entry.outputs[0], x)
     comm._replay("all_gather", entry, (x, out))
     return out
 
 
 def scatter_hit(comm, entry: CachedCall, x):
     """A repeated ``reduce_scatter`` along dim 0."""
-    o = entry.outputs[0]
-    out = _NEW(o[0], o[1], dtype=o[2], device=o[3])
+    out = _new(entry.outputs[0], x)
     comm._replay("reduce_scatter", entry, (x, out))
     return out

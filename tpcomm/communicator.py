@@ -646,7 +646,7 @@ class Communicator:
             replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
                                                             ws.state, ws.err), self._direct, self.device.index)
             if replays is not None:
-                self._calls.put(key, call_cache.CachedCall(replays, spec, outputs))
+                self._calls.put(key, call_cache.CachedCall(replays, spec, outputs, tensors[0]))
 
     def _replay(self, op: str, entry, tensors: tuple) -> None:
         """Launch a cached call's replays with ``tensors`` (:meth:`_launching`'s checks and ordering, without

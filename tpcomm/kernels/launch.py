@@ -180,7 +180,10 @@ class Replay:
     def bind_launcher(self, run, function, packed_metadata) -> None:
         """Replay through ``run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
         enter_hook, exit_hook, *params)`` (a compiled kernel's launcher and its arguments), pointer
-        parameters as addresses."""
+        parameters as addresses: the slots' and the workspace's device tables' (the launcher asks the
+        driver to translate each tensor it is given; device addresses translate to themselves, so only
+        host tensors, the pinned error words, stay tensors). The tables outlive the cache, which the
+        communicator clears before it frees them."""
         from triton import knobs
 
         self.direct = True
@@ -190,6 +193,9 @@ class Replay:
         self._run, self._function, self._meta = run, function, packed_metadata
         for i, _ in self.slots:
             self._params[i] = 0
+        for i, p in enumerate(self._params):  # the workspace's device tables: their addresses, read once
+            if isinstance(p, torch.Tensor) and p.is_cuda:
+                self._params[i] = p.data_ptr()
         # each tensor's address read once, however many parameters take it
         self._sources = tuple(dict.fromkeys(j for _, j in self.slots))
         self._targets = tuple(tuple(i for i, j in self.slots if j == src) for src in self._sources)
