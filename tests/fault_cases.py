@@ -69,6 +69,50 @@ FP8_FAULTS = {
     "fp8, peer another group size": ([("fp8:fn/g16", (2, 64), BF16)], [("fp8:fn/g32", (2, 64), BF16)]),
 }
 FAULTS.update(FP8_FAULTS)
+#: How long a late rank sleeps before its call: past the peers' timeout (``test_faults.TIMEOUT_S``) and
+#: the grace after it (an eighth of the timeout), with room for a slow machine.
+LATE_S = 2.0
+#: Faults of timing and of the algorithm, for every world size of ``ORDER_FAULTS``' lists (one list of
+#: calls per rank; ``("sleep", seconds, None)`` is a pause, not a call; ``op@algo`` forces the algorithm
+#: of that call): the last rank is late (it arrives after its peers gave up), is late after skipping a
+#: call, or runs another algorithm. Expected errors: ``EXPECTED``.
+ORDER_FAULTS = {
+    2: {
+        "late": ([("fused", (2, 64), BF16)], [("sleep", LATE_S, None), ("fused", (2, 64), BF16)]),
+        "late after a skipped call": ([("fused", (2, 64), BF16), ("fused", (2, 64), BF16)],
+                                      [("sleep", LATE_S, None), ("fused", (2, 64), BF16)]),
+        "other algorithm": ([("fused@lamport", (2, 64), BF16)], [("fused@one_shot", (2, 64), BF16)]),
+    },
+    3: {
+        "late": ([("fused", (2, 64), BF16)], [("fused", (2, 64), BF16)],
+                 [("sleep", LATE_S, None), ("fused", (2, 64), BF16)]),
+        "late after a skipped call": ([("all_reduce", (2, 64), BF16), ("all_reduce", (2, 64), BF16)],
+                                      [("all_reduce", (2, 64), BF16), ("all_reduce", (2, 64), BF16)],
+                                      [("sleep", LATE_S, None), ("all_reduce", (2, 64), BF16)]),
+        "other algorithm": ([("fused@lamport", (2, 64), BF16)], [("fused@lamport", (2, 64), BF16)],
+                            [("fused@one_shot", (2, 64), BF16)]),
+    },
+}
+#: ``{world: {fault: {rank: (error type, op, call, peer or None)}}}`` of ``ORDER_FAULTS``: the first
+#: call of every rank fails (``call`` counts calls, not pauses), every rank at the same epoch; a late
+#: rank raises PeerAbortedError naming a rank that gave up on it (with 3 ranks either one: None); its
+#: peers PeerTimeoutError naming it. Another algorithm: every rank times out (naming any peer whose
+#: kernel it waited for: with 3 ranks, the two Lamport ranks see each other but not the third).
+EXPECTED = {
+    2: {"late": {0: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 1), 1: ("PeerAbortedError", "fused_add_rmsnorm", 0, 0)},
+        "late after a skipped call": {0: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 1),
+                                      1: ("PeerAbortedError", "fused_add_rmsnorm", 0, 0)},
+        "other algorithm": {0: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 1),
+                            1: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 0)}},
+    3: {"late": {0: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 2), 1: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 2),
+                 2: ("PeerAbortedError", "fused_add_rmsnorm", 0, None)},
+        "late after a skipped call": {0: ("PeerTimeoutError", "all_reduce", 0, 2),
+                                      1: ("PeerTimeoutError", "all_reduce", 0, 2),
+                                      2: ("PeerAbortedError", "all_reduce", 0, None)},
+        "other algorithm": {0: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 2),
+                            1: ("PeerTimeoutError", "fused_add_rmsnorm", 0, 2),
+                            2: ("PeerTimeoutError", "fused_add_rmsnorm", 0, None)}},
+}
 OP_NAMES = {"fp8": "fused_add_rmsnorm", "fused": "fused_add_rmsnorm", "all_reduce": "all_reduce",
             "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
@@ -84,6 +128,13 @@ def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
     """Make one call with seeded small-integer inputs; returns how its result differs from the right one
     (empty when right). ``op`` may name a ``dim`` too: ``"all_gather:1"``, or FP8 options:
     ``"fp8:<FP8_SPECS key>"``."""
+    if op == "sleep":
+        time.sleep(shape)
+        return []
+    op, _, algo = op.partition("@")
+    if algo:
+        with comm.use_algorithm(algo):
+            return _call(comm, rank, world_size, seed, op, shape, dtype)
     op, _, arg = op.partition(":")
     dim = 0 if op == "fp8" else int(arg or 0)
     xs = all_inputs(seed, world_size, shape, dtype, "int")
@@ -121,13 +172,17 @@ def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
     failing call raised, how long it took, which calls returned, and what the next call on the same
     communicator raised (documented: the same error again, at once)."""
     comm = new_communicator(timeout_s=timeout_s, algo=algo, env={"TPCOMM_MAX_PROGRAMS": MAX_PROGRAMS})
+    calls = ORDER_FAULTS[ctx.world_size][fault] if fault in ORDER_FAULTS.get(ctx.world_size, {}) else FAULTS[fault]
     try:
         dist.barrier()  # both ranks arrive at the first call together: it must not time out
         warm = _call(comm, ctx.rank, ctx.world_size, 7000, "all_reduce", (1, 16), torch.float32)
         epoch = comm.workspace.epoch()
         seen, returned, again = None, [], None
         t0 = time.perf_counter()
-        for i, (op, shape, dtype) in enumerate(FAULTS[fault][ctx.rank]):
+        for i, (op, shape, dtype) in enumerate(c for c in calls[ctx.rank] if c[0] != "sleep"):
+            if calls[ctx.rank][0][0] == "sleep" and i == 0:  # a late rank: its lateness is not its call's time
+                _call(comm, ctx.rank, ctx.world_size, 0, *calls[ctx.rank][0])
+                t0 = time.perf_counter()
             try:
                 fails = _call(comm, ctx.rank, ctx.world_size, 7100 + i, op, shape, dtype)
             except tpcomm.PeerTimeoutError as e:

@@ -88,3 +88,44 @@ def test_expected_errors_cover_every_rank_that_calls():
     for fault, (calls0, calls1) in fault_cases.FAULTS.items():
         assert calls0, fault
         assert set(fault_cases.expected_errors(fault)) == ({0, 1} if calls1 else {0}), fault
+
+
+#: The timing and algorithm faults (``fault_cases.ORDER_FAULTS``) per world size: the late rank under
+#: each kernel; another algorithm once (the call forces it).
+ORDER_RUNS = {w: [(f, a) for f in fault_cases.ORDER_FAULTS[w] if f != "other algorithm" for a in ALGOS]
+              + [("other algorithm", None)] for w in (2, 3)}
+
+
+@pytest.fixture(scope="module")
+def order_faults(pools):
+    """``{world: per rank {"fault[algo]": what it saw}}``, one pool call per world size."""
+    return {w: pools.get(w).run(fault_cases.fault_batch, ORDER_RUNS[w], TIMEOUT_S, timeout_s=300) for w in (2, 3)}
+
+
+@pytest.mark.parametrize("world,fault,algo", [pytest.param(w, f, a, id=f"{w}ranks-{f}[{a or 'auto'}]")
+                                              for w in (2, 3) for f, a in ORDER_RUNS[w]])
+def test_every_rank_fails_the_same_call(order_faults, world, fault, algo):
+    """A rank that arrives after its peers gave up on it (late, or late after skipping a call) fails the
+    same call, at the same epoch, with PeerAbortedError naming a rank that gave up; those raise
+    PeerTimeoutError naming it. Ranks running different algorithms all time out. No rank returns a
+    value for that call (docs/reliability.md, "What each rank sees")."""
+    check = Checks()
+    for r, (kind, op, call, peer) in fault_cases.EXPECTED[world][fault].items():
+        res = order_faults[world][r][f"{fault}[{algo}]"]
+        seen = res["seen"]
+        check.that(not res["warm"], f"rank {r}: the call every rank made first was wrong: {res['warm']}")
+        for ret in res["returned"]:
+            check.that(False, f"rank {r}: {ret}")
+        if seen is None or "peer" not in seen:
+            check.that(False, f"rank {r}: raised {seen}")
+            continue
+        got = (seen["type"], seen["op"], seen["epoch"], seen["rank"])
+        want = (kind, op, res["epoch"] + call, r)
+        check.that(got == want, f"rank {r}: (type, op, epoch, rank) {got}, expected {want}: {seen['message']}")
+        check.that(seen["peer"] != r and (peer is None or seen["peer"] == peer),
+                   f"rank {r}: names rank {seen['peer']} at fault, expected {peer}: {seen['message']}")
+        check.that(res["elapsed"] < TIMEOUT_S + MARGIN_S,
+                   f"rank {r}: took {res['elapsed']:.2f} s to raise (timeout {TIMEOUT_S} s)")
+    for r, ranks in enumerate(order_faults[world]):
+        check.that(not ranks["after"], f"rank {r}: a new communicator's fused call: {ranks['after']}")
+    check.done()

@@ -20,13 +20,13 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
     _env.TRITON_IMPORTED_FIRST = "triton" in _sys.modules
 
 from .communicator import Communicator  # noqa: E402
-from .errors import PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
+from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
 from .reference import (add_rmsnorm_reference, all_reduce_reference,  # noqa: E402
                         fused_add_rmsnorm_reference, reduce_in_rank_order)
 from .quant import pack_ue8m0_scales, per_group_quant_fp8, per_token_quant_fp8, static_quant_fp8  # noqa: E402
 from .reference import per_group_quant_reference, per_token_quant_reference  # noqa: E402
 
-__all__ = ["Communicator", "PeerMismatchError", "PeerTimeoutError", "TpcommError", "add_rmsnorm_reference",
+__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError", "add_rmsnorm_reference",
            "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
 __all__ += ["pack_ue8m0_scales", "per_group_quant_fp8", "per_token_quant_fp8", "static_quant_fp8",
             "per_group_quant_reference",

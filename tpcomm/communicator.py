@@ -14,11 +14,11 @@ import torch.distributed as dist
 from . import call_cache, dispatch, reference, validate
 from .validate import checked_limits
 from .env import interpreter_enabled, interpreter_problem, read_env
-from .errors import PeerMismatchError, PeerTimeoutError
+from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError
 from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call, fp8_outputs
 from .kernels import chunks
 from .kernels.launch import direct_launch_supported
-from .kernels.sync import MISMATCH_CODE, call_signature
+from .kernels.sync import ABORTED_CODE, MISMATCH_CODE, call_signature
 from .workspace import Workspace
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
@@ -644,7 +644,8 @@ class Communicator:
             if ws is None:  # closed meanwhile
                 return
             replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
-                                                            ws.state, ws.err), self._direct, self.device.index)
+                                                            ws.state, ws.err, ws.abort_words), self._direct,
+                                        self.device.index)
             if replays is not None:
                 self._calls.put(key, call_cache.CachedCall(replays, spec, outputs, tensors[0]))
 
@@ -721,7 +722,7 @@ class Communicator:
             return
         code, peer, epoch, program, signature = self.workspace.read_error()
         failed = self._signatures.get(signature, op)  # the call that failed (graph replays included)
-        error = PeerMismatchError if code == MISMATCH_CODE else PeerTimeoutError
+        error = {MISMATCH_CODE: PeerMismatchError, ABORTED_CODE: PeerAbortedError}.get(code, PeerTimeoutError)
         raise error(failed, self.rank, peer, epoch, program, self.timeout_s)
 
     def _check_open(self, op: str) -> None:

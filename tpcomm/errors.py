@@ -49,3 +49,24 @@ class PeerMismatchError(PeerTimeoutError):
             "rank must make the same calls in the same order. This communicator is unusable now; create a "
             "new one."
         )
+
+
+class PeerAbortedError(PeerTimeoutError):
+    """A peer gave up waiting for this rank's part of a call before this rank's kernel of that call ran:
+    this rank arrived late (later than the peer's timeout), or skipped a call, so that its call of that
+    epoch is the peer's next one.
+
+    Raised like :class:`PeerTimeoutError` (a subclass), on the late rank, for the same call (the same
+    epoch) for which the peer raised :class:`PeerTimeoutError`, so every rank's call of that epoch
+    fails (docs/reliability.md, "What each rank sees"). ``peer`` is the rank that gave up; this rank is
+    the one it waited for. The communicator is unusable afterwards; create a new one.
+    """
+
+    def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
+        self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
+        TpcommError.__init__(
+            self,
+            f"{op}: rank {peer} gave up waiting for rank {rank} at epoch {epoch} (its timeout, {timeout_s:g} s "
+            f"here, passed before rank {rank}'s call of that epoch ran; program {program}): rank {rank} "
+            "was late, or skipped a call. This communicator is unusable now; create a new one."
+        )

@@ -17,19 +17,22 @@ import triton
 import triton.language as tl
 
 from .launch import KernelCall
-from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, start_program
+from .sync import (check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr,
+                   start_program)
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
-def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr, abort_ptr,
                        n_rows, width, numel, out_rank_stride, row_stride, slot_stride, parity_stride,
-                       pad_programs, timeout, rank, signature,
+                       pad_programs, timeout, rank, signature, abort_off,
                        WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
+    alive = check_abort(abort_ptr, rank, epoch, pid, signature, err_ptr, state_ptr, timeout, WORLD)
+    timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
@@ -49,7 +52,7 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
             tl.store(out_ptr + rank * out_rank_stride + row_start + cols, v, mask=mask)
 
     timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
-                             rank, pid, timeout, err_ptr, state_ptr, WORLD)
+                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 2. Copy every peer's rows out of this rank's receive buffer.
     recv = peer_ptr(buf_table_ptr, rank, DTYPE) + base
@@ -80,9 +83,9 @@ def all_gather_call(x, out, out_rank_stride: int, ws, n_rows: int, width: int, c
     """
     es = x.element_size()
     return KernelCall(_all_gather_kernel, cfg.grid(n_rows), (
-        x, out, ws.buf_table, ws.flag_table, ws.state, ws.err,
+        x, out, ws.buf_table, ws.flag_table, ws.state, ws.err, ws.abort_words,
         n_rows, width, x.numel(), out_rank_stride, ws.row_stride(width, es), ws.slot_elems(es),
-        ws.parity_elems(es), ws.pad_programs, ws.timeout, ws.rank, signature,
+        ws.parity_elems(es), ws.pad_programs, ws.timeout, ws.rank, signature, ws.abort_offset("flag"),
     ), dict(
         WORLD=ws.world_size, BLOCK=cfg.block_h, NUM_TILES=cfg.num_tiles, num_warps=cfg.num_warps,
         enable_fp_fusion=False, **ws.launch_options(),

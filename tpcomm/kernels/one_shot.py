@@ -25,14 +25,15 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .launch import KernelCall
-from .sync import exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, start_program
+from .sync import (check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr,
+                   start_program)
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
-                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr, abort_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, pad_programs,
-                     eps, timeout, rank, signature,
+                     eps, timeout, rank, signature, abort_off,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                      QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
@@ -41,6 +42,8 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     num_programs = tl.num_programs(0)
     epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
+    alive = check_abort(abort_ptr, rank, epoch, pid, signature, err_ptr, state_ptr, timeout, WORLD)
+    timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
@@ -67,7 +70,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
 
     # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
     timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
-                             rank, pid, timeout, err_ptr, state_ptr, WORLD)
+                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 3. Reduce in rank order and run the epilogue.
     recv = peer_ptr(buf_table_ptr, rank, DTYPE) + par * parity_stride
@@ -103,10 +106,10 @@ def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: in
     return KernelCall(_one_shot_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
-        ws.buf_table, ws.flag_table, ws.state, ws.err,
+        ws.buf_table, ws.flag_table, ws.state, ws.err, ws.abort_words,
         n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
         ws.parity_elems(x.element_size()), ws.pad_programs,
-        eps, ws.timeout, ws.rank, signature,
+        eps, ws.timeout, ws.rank, signature, ws.abort_offset("flag"),
     ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),

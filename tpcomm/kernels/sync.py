@@ -43,11 +43,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..env import interpreter_enabled
 
 #: Error codes in the error words (host-side values, then the kernels' constants).
-TIMEOUT_CODE, MISMATCH_CODE = 1, 2
+TIMEOUT_CODE, MISMATCH_CODE, ABORTED_CODE = 1, 2, 3
 #: Error code written when a wait expires.
 ERR_TIMEOUT = tl.constexpr(TIMEOUT_CODE)
 #: Error code written when a peer's flag carries another call's signature.
 ERR_MISMATCH = tl.constexpr(MISMATCH_CODE)
+#: Error code written when a peer gave up waiting for this rank at this call's epoch (abort word).
+ERR_ABORTED = tl.constexpr(ABORTED_CODE)
 
 
 def call_signature(*fields) -> int:
@@ -130,16 +132,64 @@ def flag_offset(par, phase, pid, pad_programs, WORLD: tl.constexpr):
 
 #: Rounds of :func:`wait_flag`'s poll between two reads of the block-wide clock.
 CLOCK_EVERY = tl.constexpr(8)
+#: The most a wait goes on after its timeout, once it has told the peer (:func:`grace_ns`), in ns.
+GRACE_MAX_NS = tl.constexpr(1_000_000_000)
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr):
+def grace_ns(timeout):
+    """How long a wait goes on after ``timeout`` expired and it stored its abort word in the awaited
+    peer: an eighth of the timeout, at most ``GRACE_MAX_NS`` (0 for a timeout of 0). A peer that ran
+    its abort check before that store landed pushes this call, so its data lands within the grace."""
+    return tl.minimum(timeout >> 3, GRACE_MAX_NS)
+
+
+@triton.jit
+def abort_word(epoch):
+    """The int64 a rank stores in a peer's abort word when it gives up waiting for it at ``epoch``:
+    ``1 << 32 | (epoch mod 2**32)`` (never 0, the words' initial value)."""
+    return (1 << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def store_abort(table_entry_ptr, abort_idx, epoch):
+    """Store :func:`abort_word` of ``epoch`` into the peer whose base address is at ``table_entry_ptr``
+    (an entry of an int64 address table), ``abort_idx`` int64 elements from that base (its abort
+    word for this rank). Only on a wait's slow path: the table entry is loaded here."""
+    base = tl.load(table_entry_ptr).to(tl.pointer_type(tl.int64))
+    tl.store(base + abort_idx, abort_word(epoch))
+
+
+@triton.jit
+def check_abort(abort_ptr, rank, epoch, program, signature, err_ptr, state_ptr, timeout, WORLD: tl.constexpr):
+    """Whether this rank may take part in the call of ``epoch``: False when a peer ``q`` gave up
+    waiting for this rank at this epoch (its abort word ``abort_ptr[q]``, in this rank's workspace,
+    holds :func:`abort_word` of ``epoch``), after recording ``ERR_ABORTED`` naming ``q`` (not when
+    ``timeout``, :func:`launch_timeout`'s, is 0: the error recorded first stays). A program
+    that may not take part sends no flag or call tag, so no peer completes the call either (docs/
+    reliability.md, "What each rank sees"). ``abort_ptr`` is a kernel argument, so the loads issue
+    with the epoch's, at the program's start."""
+    want = abort_word(epoch)
+    aborter = epoch * 0 - 1
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            aborter = tl.where(tl.load(abort_ptr + q, volatile=True) == want, q, aborter)
+    if (aborter >= 0) & (timeout > 0):
+        record_error(err_ptr, state_ptr, ERR_ABORTED, aborter, epoch, program, signature)
+    return aborter < 0
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr, abort_at, abort_idx):
     """Spin until the low 32 bits of ``*flag_ptr`` equal ``epoch`` (acquire, system scope), at most
     ``timeout`` nanoseconds, then check the signature.
 
-    Returns True when the peer arrived with this call's signature. On expiry records ``ERR_TIMEOUT`` (not
-    when ``timeout`` is 0: an earlier wait failed and its error, which names the peer really missing,
-    stays), on another signature ``ERR_MISMATCH`` (:func:`record_error`), and returns False.
+    Returns True when the peer arrived with this call's signature. Once ``timeout`` has passed, stores
+    this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_idx``) and goes on
+    for :func:`grace_ns`: a peer that arrives within it completes the call with this rank. On expiry
+    records ``ERR_TIMEOUT`` (not when ``timeout`` is 0: an earlier wait failed and its error, which names
+    the peer really missing, stays), on another signature ``ERR_MISMATCH`` (:func:`record_error`), and
+    returns False.
     The caller runs ``tl.debug_barrier()`` before loading the data this flag publishes.
 
     The loop exits the same round in every thread: Triton loads a scalar flag in one thread and
@@ -152,12 +202,17 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     start = now_ns()
     waited = start - start
+    limit = timeout + grace_ns(timeout)
+    told = timeout * 0
     rounds = 0
-    while ((seen & 0xFFFFFFFF) != want) & (waited < timeout):
+    while ((seen & 0xFFFFFFFF) != want) & (waited < limit):
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         rounds += 1
         if rounds % CLOCK_EVERY == 0:
             waited = waited_ns(start)
+            if (waited >= timeout) & (told == 0) & (timeout > 0):  # the slow path: tell the peer, once
+                store_abort(abort_at, abort_idx, epoch)
+                told = timeout * 0 + 1
     arrived = (seen & 0xFFFFFFFF) == want
     same_call = (seen >> 32) == signature.to(tl.int64)
     if not arrived:
@@ -182,14 +237,16 @@ def signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD: tl.con
 
 @triton.jit
 def wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
-               WORLD: tl.constexpr):
+               abort_off, WORLD: tl.constexpr):
     """Wait for the same program of every peer to signal this phase, then a program-wide barrier (so no
     thread reads before the wait). Returns the timeout left for later waits: ``timeout``, or 0 once a
-    wait failed."""
+    wait failed. ``abort_off``: int64 elements from a rank's signal pad to its abort words
+    (``Workspace.abort_offset("flag")``)."""
     own = peer_ptr(flag_table_ptr, rank, tl.int64) + flag_off
     for q in tl.static_range(WORLD):
         if q != rank:
-            ok = wait_flag(own + q, epoch, signature, q, program, timeout, err_ptr, state_ptr)
+            ok = wait_flag(own + q, epoch, signature, q, program, timeout, err_ptr, state_ptr,
+                           flag_table_ptr + q, abort_off + rank)
             timeout = tl.where(ok, timeout, 0)
     tl.debug_barrier()
     return timeout
@@ -197,12 +254,14 @@ def wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeou
 
 @triton.jit
 def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
-                   WORLD: tl.constexpr):
-    """:func:`signal_peers` then :func:`wait_peers`: publish this program's stores and wait for the same
-    program of every peer. Returns the timeout left for later waits."""
-    signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD)
+                   abort_off, alive, WORLD: tl.constexpr):
+    """:func:`signal_peers` (when ``alive``: :func:`check_abort`) then :func:`wait_peers`: publish this
+    program's stores and wait for the same program of every peer. Returns the timeout left for later
+    waits."""
+    if alive:
+        signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD)
     return wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
-                      WORLD)
+                      abort_off, WORLD)
 
 
 @triton.jit

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, SUM_LOAD, no_quant_args, reduce_norm_row, reduce_tile, round_to
 from .launch import KernelCall
-from .sync import (exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr, start_program,
-                   signal_peers, wait_peers)
+from .sync import (check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr,
+                   signal_peers, start_program, wait_peers)
 
 
 @triton.jit
@@ -68,9 +68,9 @@ def share_len(o, n_rows, WORLD: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
-                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr, abort_ptr,
                      n_rows, j0, n_local, H, numel, row_stride, slot_stride, half_stride, parity_stride,
-                     pad_programs, eps, timeout, rank, signature,
+                     pad_programs, eps, timeout, rank, signature, abort_off,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      SCATTER_ONLY: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      GEMMA: tl.constexpr, QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr,
@@ -80,6 +80,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     num_programs = tl.num_programs(0)
     epoch, ticket = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(state_ptr, timeout)
+    alive = check_abort(abort_ptr, rank, epoch, pid, signature, err_ptr, state_ptr, timeout, WORLD)
+    timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
@@ -98,7 +100,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                         mask = (cols < H) & (row_start + cols < numel)
                         tl.store(dst + cols, tl.load(x_ptr + row_start + cols, mask=mask), mask=mask)
     timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
-                             rank, pid, timeout, err_ptr, state_ptr, WORLD)
+                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
     #    reduce-scatter or a plain all-reduce; the epilogue's input otherwise) and to the second half of
@@ -126,7 +128,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
 
     if not SCATTER_ONLY:
         flags = flag_offset(par, 1, pid, pad_programs, WORLD)
-        signal_peers(flag_table_ptr, flags, epoch, signature, rank, WORLD)
+        if alive:
+            signal_peers(flag_table_ptr, flags, epoch, signature, rank, WORLD)
         # 3a. While the peers' sums travel: the epilogue of this rank's own rows, from s in out (in place).
         if NORM:
             for jj in range(pid, n_local, num_programs):
@@ -141,7 +144,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                     WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                     QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
         timeout = wait_peers(flag_table_ptr, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
-                             WORLD)
+                             abort_off, WORLD)
         # 3b. The epilogue of every peer's row j, from the gathered sums.
         for jj in range(pid, n_local, num_programs):
             j = j0 + jj
@@ -186,9 +189,9 @@ def two_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, j0: i
     return KernelCall(_two_shot_kernel, cfg.grid(n_local), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
-        ws.buf_table, ws.flag_table, ws.state, ws.err,
+        ws.buf_table, ws.flag_table, ws.state, ws.err, ws.abort_words,
         n_rows, j0, n_local, H, x.numel(), ws.row_stride(H, es), ws.slot_elems(es), ws.half_slot_elems(es),
-        ws.parity_elems(es), ws.pad_programs, eps, ws.timeout, ws.rank, signature,
+        ws.parity_elems(es), ws.pad_programs, eps, ws.timeout, ws.rank, signature, ws.abort_offset("flag"),
     ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, SCATTER_ONLY=scatter_only,
         NORM=norm, HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
