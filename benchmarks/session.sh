@@ -20,6 +20,9 @@
 #                                        # base,finish_at_end), then the loopback and FP8 GPU tests
 #   bash benchmarks/session.sh decode4   # ONE GPU (carry [".whl", ".old"]): the replay test, host time per
 #                                        # call, then bench --loopback (1-4096 tokens) of this tree and of .old/
+#   bash benchmarks/session.sh decode5   # ONE GPU (carry [".old2"]): the loopback and FP8 GPU tests, then the
+#                                        # decode bench (6144, 1-64 tokens) of this tree and of .old2/, then
+#                                        # the host time per call at 1 token
 #   bash benchmarks/session.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
 #                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
@@ -164,6 +167,17 @@ decode4)
     cp tpcomm/bench/loopback.py tpcomm/bench/args.py .old/tpcomm/bench/
     (cd .old && PYTHONPATH=. timeout 120 python3 -m tpcomm bench --loopback --tokens 256,1024,4096 \
         --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt) ;;
+decode5)
+    one_gpu_tests 230
+    timeout 70 python3 -m tpcomm bench --loopback --hidden 6144 --tokens 1,16,64 --json $W/bench-new.json \
+        > $W/bench-new.log 2>&1
+    echo "bench-new rc=$?" >> $W/summary.txt
+    cp tpcomm/bench/loopback.py tpcomm/bench/args.py .old2/tpcomm/bench/
+    (cd .old2 && PYTHONPATH=. timeout 70 python3 -m tpcomm bench --loopback --hidden 6144 --tokens 1,16,64 \
+        --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt)
+    timeout 60 python3 benchmarks/host_loopback.py --calls 200 --rounds 3 --tokens 1 --out $W/host_loopback.json \
+        > $W/host_loopback.log 2>&1
+    echo "host_loopback rc=$?" >> $W/summary.txt ;;
 decode2)
     for n in 25 200; do
         timeout 80 python3 benchmarks/host_loopback.py --calls $n --rounds 5 --out $W/host_loopback_$n.json \
@@ -177,7 +191,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"

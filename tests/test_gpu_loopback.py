@@ -196,6 +196,42 @@ def test_a_missing_peer_raises_instead_of_hanging(algo):
         close_group(ranks)
 
 
+@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot"])
+def test_a_late_rank_fails_the_call_its_peer_gave_up_on(algo):
+    """Rank 1 issues its call after rank 0's kernel gave up on it (timeout and grace): rank 0 raises
+    ``PeerTimeoutError`` naming rank 1 and rank 1 ``PeerAbortedError`` naming rank 0, both for the same
+    epoch; neither returns a value for that call."""
+    import time
+
+    from tpcomm.errors import PeerAbortedError, PeerTimeoutError
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=0.5)
+    try:
+        x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def call(rank):
+            with rank.use_algorithm(algo):
+                return rank.all_reduce(x)
+        run_ranks(ranks, call)  # both ranks' kernels compiled and loaded first
+        torch.cuda.synchronize()
+        epoch = ranks[0].workspace.epoch()
+        with torch.cuda.stream(ranks[0].stream):
+            call(ranks[0])
+        time.sleep(1.5)  # past rank 0's timeout and its grace (an eighth of the timeout)
+        with torch.cuda.stream(ranks[1].stream):
+            call(ranks[1])
+        torch.cuda.synchronize()
+        with pytest.raises(PeerTimeoutError) as first:
+            ranks[0].check()
+        with pytest.raises(PeerAbortedError) as late:
+            ranks[1].check()
+        assert type(first.value) is PeerTimeoutError and (first.value.peer, first.value.epoch) == (1, epoch)
+        assert (late.value.peer, late.value.epoch) == (0, epoch), str(late.value)
+    finally:
+        close_group(ranks)
+
+
 @pytest.mark.parametrize("algo", ["lamport", "one_shot"])
 def test_a_peer_making_another_call_is_reported(algo):
     """Rank 0 runs the fused op with a residual, rank 1 without (the same rows, bytes and grid): every
