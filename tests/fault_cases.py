@@ -70,8 +70,8 @@ FP8_FAULTS = {
 }
 FAULTS.update(FP8_FAULTS)
 #: How long a late rank sleeps before its call: past the peers' timeout (``test_faults.TIMEOUT_S``) and
-#: the grace after it (an eighth of the timeout), with room for a slow machine.
-LATE_S = 2.0
+#: the grace after it (on CPU ranks the timeout again), with room for a slow machine.
+LATE_S = 2.5
 #: Faults of timing and of the algorithm, for every world size of ``ORDER_FAULTS``' lists (one list of
 #: calls per rank; ``("sleep", seconds, None)`` is a pause, not a call; ``op@algo`` forces the algorithm
 #: of that call): the last rank is late (it arrives after its peers gave up), is late after skipping a

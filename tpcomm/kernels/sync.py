@@ -136,12 +136,21 @@ CLOCK_EVERY = tl.constexpr(8)
 GRACE_MAX_NS = tl.constexpr(1_000_000_000)
 
 
-@triton.jit
-def grace_ns(timeout):
-    """How long a wait goes on after ``timeout`` expired and it stored its abort word in the awaited
-    peer: an eighth of the timeout, at most ``GRACE_MAX_NS`` (0 for a timeout of 0). A peer that ran
-    its abort check before that store landed pushes this call, so its data lands within the grace."""
-    return tl.minimum(timeout >> 3, GRACE_MAX_NS)
+if interpreter_enabled():
+    @triton.jit
+    def grace_ns(timeout):
+        """How long a wait goes on after ``timeout`` expired and it stored its abort word in the awaited
+        peer, under the interpreter: the timeout again (a program's abort check and its first send are
+        Python steps apart there, milliseconds on a busy machine)."""
+        return timeout
+else:
+    @triton.jit
+    def grace_ns(timeout):
+        """How long a wait goes on after ``timeout`` expired and it stored its abort word in the awaited
+        peer: an eighth of the timeout, at most ``GRACE_MAX_NS`` (0 for a timeout of 0). A peer that ran
+        its abort check before that store landed sends its part of this call right after the check, so
+        it lands within the grace."""
+        return tl.minimum(timeout >> 3, GRACE_MAX_NS)
 
 
 @triton.jit
