@@ -76,7 +76,8 @@ def epi_types(dt):
     return {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
             "res_out_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "s_row_stride": "i32",
             "s_group_stride": "i32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i32",
-            "err_ptr": "*i32", "abort_ptr": "*i64", "abort_off": "i32", "n_rows": "i32", "H": "i32", "numel": "i32", "row_stride": "i32",
+            "err_ptr": "*i32", "abort_ptr": "*i64", "abort_off": "i32", "n_rows": "i32", "H": "i32",
+            "numel": "i32", "row_stride": "i32",
             "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "pad_programs": "i32", "eps": "fp32",
             "timeout": "i64", "rank": "i32", "signature": "i32", "j0": "i32", "n_local": "i32",
             "half_stride": "i32", "tag_off": "i32", "width": "i32", "out_rank_stride": "i32"}

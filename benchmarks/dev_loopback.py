@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--max-programs", type=int, default=None,
-                    help="grid cap of every variant (default: loopback_group's, SMs / (4 x world) with PDL; "
+                    help="grid cap of every variant (default: loopback_group's, SMs / (2 x world) with PDL; "
                          "give one to compare variants that differ in PDL on the same grid)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a single variant, in this process
     ap.add_argument("--out", default=".")

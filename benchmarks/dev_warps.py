@@ -23,7 +23,8 @@ def body(rank, world):
     rows = []
     H = int(os.environ.get("DEV_H", "6144"))
     for warps in (2, 4, 8, 16):
-        d.row_config = lambda h, mp, two_shot=False, w=warps: dataclasses.replace(orig(h, mp, two_shot), num_warps=w)
+        d.row_config = lambda h, mp, two_shot=False, w=warps, **kw: dataclasses.replace(orig(h, mp, two_shot, **kw),
+                                                                                       num_warps=w)
         for T in (1, 16, 64, 256):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             r = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

@@ -68,28 +68,33 @@ def main():
         x = xs[0]
         key = call_cache.all_reduce_key(x, None, rk.algorithm, True)
         entry = rk._calls.get(key)
-        rows.append(("all_reduce: key", per_call(lambda: call_cache.all_reduce_key(x, None, rk.algorithm, True), a.calls)))
+        rows.append(("all_reduce: key",
+                     per_call(lambda: call_cache.all_reduce_key(x, None, rk.algorithm, True), a.calls)))
         rows.append(("all_reduce: cache get", per_call(lambda: rk._calls.get(key), a.calls)))
         o = entry.outputs[0]
-        rows.append(("all_reduce: new output", per_call(lambda: torch.empty_strided(o[0], o[1], dtype=o[2], device=o[3]), a.calls)))
+        rows.append(("all_reduce: new output",
+                     per_call(lambda: torch.empty_strided(o[0], o[1], dtype=o[2], device=o[3]), a.calls)))
         rows.append(("raw stream handle", per_call(lambda: torch._C._cuda_getCurrentRawStream(0), a.calls)))
         rows.append(("error word check", per_call(lambda: rk.workspace._err_words[0], a.calls)))
         outs = [torch.empty_like(x) for _ in ranks]
         entries = [r._calls.get(call_cache.all_reduce_key(xs[r.rank], None, r.algorithm, True)) for r in ranks]
-        rows.append(("all_reduce: _replay", both_ranks(ranks, lambda r: r._replay("all_reduce", entries[r.rank], (xs[r.rank], outs[r.rank])), a.calls)))
+        rows.append(("all_reduce: _replay", both_ranks(
+            ranks, lambda r: r._replay("all_reduce", entries[r.rank], (xs[r.rank], outs[r.rank])), a.calls)))
         raw = {}
         for r in ranks:
             rp = entries[r.rank].replays[0]
             raw[r.rank] = rp
         print("replays per call:", len(entries[0].replays), "direct:", entries[0].direct,
-              "params:", len(raw[0]._params), "tensor params:", sum(isinstance(v, torch.Tensor) for v in raw[0]._params))
+              "params:", len(raw[0]._params),
+              "tensor params:", sum(isinstance(v, torch.Tensor) for v in raw[0]._params))
 
         def launch(r):
             rp = raw[r.rank]
             rp.launch((xs[r.rank], outs[r.rank]), torch._C._cuda_getCurrentRawStream(0))
         rows.append(("all_reduce: replay.launch", both_ranks(ranks, launch, a.calls)))
         # the same launch with every tensor parameter passed as its address
-        ints = {r.rank: [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in raw[r.rank]._params] for r in ranks}
+        ints = {r.rank: [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in raw[r.rank]._params]
+                for r in ranks}
 
         def launch_ints(r):
             rp = raw[r.rank]
@@ -98,7 +103,8 @@ def main():
                 ptr = (xs[r.rank], outs[r.rank])[j].data_ptr()
                 for i in targets:
                     params[i] = ptr
-            rp._run(rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, rp._meta, None, None, None, *params)
+            rp._run(rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, rp._meta, None, None, None,
+                    *params)
         rows.append(("all_reduce: launcher, addresses only", both_ranks(ranks, launch_ints, a.calls)))
         launcher = raw[0]._run
         print("launcher:", type(launcher), {k: getattr(launcher, k, None) for k in (

@@ -15,8 +15,9 @@ import fault_cases
 from numerics import Checks
 from tpcomm import dispatch
 
-#: Kernel timeout of the faulty calls: short, so that the whole file takes seconds; no call here waits
-#: for a peer that is merely slow (both ranks make a call together first), so it cannot fire by mistake.
+#: Kernel timeout of the faulty calls: short, so that the whole file takes seconds. The faults of
+#: ``test_fault_raises...`` wait for no peer that is merely slow (both ranks make a call together
+#: first); ``test_every_rank_fails_the_same_call`` allows for a slow start where it could matter.
 TIMEOUT_S = 0.5
 #: Margin on top of TIMEOUT_S for the call's own work and a busy 2-core machine (a call of a few rows
 #: takes 0.1-0.3 s under the interpreter).
@@ -110,7 +111,7 @@ def test_every_rank_fails_the_same_call(order_faults, world, fault, algo):
     PeerTimeoutError naming it. Ranks running different algorithms all time out. No rank returns a
     value for that call (docs/reliability.md, "What each rank sees")."""
     check = Checks()
-    for r, (kind, op, call, peer) in fault_cases.EXPECTED[world][fault].items():
+    for r, (kinds, op, call, peer) in fault_cases.EXPECTED[world][fault].items():
         res = order_faults[world][r][f"{fault}[{algo}]"]
         seen = res["seen"]
         check.that(not res["warm"], f"rank {r}: the call every rank made first was wrong: {res['warm']}")
@@ -119,9 +120,11 @@ def test_every_rank_fails_the_same_call(order_faults, world, fault, algo):
         if seen is None or "peer" not in seen:
             check.that(False, f"rank {r}: raised {seen}")
             continue
-        got = (seen["type"], seen["op"], seen["epoch"], seen["rank"])
-        want = (kind, op, res["epoch"] + call, r)
-        check.that(got == want, f"rank {r}: (type, op, epoch, rank) {got}, expected {want}: {seen['message']}")
+        got = (seen["op"], seen["epoch"], seen["rank"])
+        want = (op, res["epoch"] + call, r)
+        check.that(seen["type"] in kinds and got == want,
+                   f"rank {r}: {seen['type']} (op, epoch, rank) {got}, expected one of {kinds} {want}: "
+                   f"{seen['message']}")
         check.that(seen["peer"] != r and (peer is None or seen["peer"] == peer),
                    f"rank {r}: names rank {seen['peer']} at fault, expected {peer}: {seen['message']}")
         check.that(res["elapsed"] < TIMEOUT_S + MARGIN_S,

@@ -26,8 +26,8 @@ from .reference import (add_rmsnorm_reference, all_reduce_reference,  # noqa: E4
 from .quant import pack_ue8m0_scales, per_group_quant_fp8, per_token_quant_fp8, static_quant_fp8  # noqa: E402
 from .reference import per_group_quant_reference, per_token_quant_reference  # noqa: E402
 
-__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError", "add_rmsnorm_reference",
-           "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
+__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError",
+           "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
 __all__ += ["pack_ue8m0_scales", "per_group_quant_fp8", "per_token_quant_fp8", "static_quant_fp8",
             "per_group_quant_reference",
             "per_token_quant_reference"]

@@ -712,8 +712,9 @@ class Communicator:
     # -- errors, life cycle -------------------------------------------------------------------------
     def check(self, op: str = "check") -> None:
         """Raise the error a kernel of this communicator recorded: :class:`PeerTimeoutError` for a peer
-        that never arrived, :class:`PeerMismatchError` for one that made another call, naming the op of
-        the call that failed (``op`` when that call is no longer remembered).
+        that never arrived, :class:`PeerMismatchError` for one that made another call,
+        :class:`PeerAbortedError` when a peer had given up on this rank's call before it ran, naming the
+        op of the call that failed (``op`` when that call is no longer remembered).
 
         Cheap (no device synchronisation): on CUDA it reads pinned host memory, so an error shows at the
         first call (or ``check``) after the kernel that recorded it has run; synchronise first to be sure.

@@ -38,7 +38,8 @@ OPS = ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter")
 MAX_BLOCK_H = 8192
 
 #: Two-shot on rows of one tile of 4096+ elements runs 8-warp programs, this many times the grid cap
-#: (:func:`row_config`); the signal pad has flags for that many (``Workspace.pad_programs``).
+#: (:func:`row_config`); the signal pad has flags for that many (``Workspace.pad_programs``). Loopback
+#: ranks take 1 (``Workspace.loopback``).
 TWO_SHOT_GRID_FACTOR = 2
 
 #: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many

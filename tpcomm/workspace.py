@@ -2,7 +2,8 @@
 
 Every rank holds one buffer of the same size, mapped by every other rank of the group:
 
-    [ signal pad: int64 flags [2 parities][2 phases][pad_programs: 2 * max_programs][world_size], padded to 256 bytes ]
+    [ signal pad: int64 flags [2 parities][2 phases][pad_programs][world_size], padded to 256 bytes ]
+      (pad_programs: two-shot's grid cap, 2 * max_programs; max_programs in loopback)
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
     [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
     [ Lamport call tags: int64 [2 parities][max_programs][world_size], every 16-bit half 0x8000 ]
@@ -12,7 +13,7 @@ Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it; abort 
 what rank ``q`` stored there when it gave up waiting for this rank (``1 << 32 | epoch``,
 :func:`tpcomm.kernels.sync.check_abort`). Two int64 tables on the
 kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
-(``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, finish
+(``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, start
 counter, broken]`` (int32, device memory, advanced by the kernels; ``broken`` is set by a wait that
 expired) and five int32 error words (code, peer, epoch, program, the call's signature), which on CUDA
 live in pinned host memory so the host reads them without a device synchronisation.

@@ -42,8 +42,8 @@ from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_qua
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .launch import KernelCall
-from .sync import (ERR_MISMATCH, check_abort, finish_program, grace_ns, launch_timeout, now_ns, peer_ptr,
-                   record_error, record_timeout, start_program, store_abort)
+from .sync import (ERR_MISMATCH, abort_word, check_abort, finish_program, grace_ns, launch_timeout, now_ns,
+                   peer_ptr, record_error, record_timeout, start_program, store_abort)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
@@ -80,8 +80,9 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
     every thread: the reduction's barriers inside the loop are reached by every warp the same number of
     times. A timeout of 0 (an earlier wait failed) leaves at once, and the call then counts as failed
     whatever arrived (the error recorded first stays). Past the timeout a thread stores this rank's abort
-    word in ``q`` (``sync.store_abort``: ``table_ptr`` the address table, ``abort_idx`` the word's
-    place) and the wait goes on for the grace (``sync.grace_ns``)."""
+    word in ``q`` once (``sync.store_abort``: ``table_ptr`` the address table, ``abort_idx`` the word's
+    place), the wait goes on for the grace (``sync.grace_ns``), and a thread that stored the word
+    withdraws it when the peer arrives within the grace."""
     want_low = tag_low(epoch)
     limit = timeout + grace_ns(timeout)
     for q in tl.static_range(WORLD):
@@ -90,11 +91,15 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
             start = now_ns()
             waited = start - start
             code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, limit)
+            told = waited * 0
             while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
                 waited = now_ns() - start
-                if (waited >= timeout) & (timeout > 0):  # the slow path: tell the peer
-                    store_abort(table_ptr + q, abort_idx, epoch)
+                if (waited >= timeout) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
+                    store_abort(table_ptr + q, abort_idx, abort_word(epoch))
+                    told = waited * 0 + 1
                 code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, limit)
+            if (code == 0) & (told != 0):  # arrived within the grace: withdraw the word
+                store_abort(table_ptr + q, abort_idx, waited * 0)
             if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if code >= 8:
@@ -116,8 +121,9 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     combined once, after every peer's spin: one block-wide max of ``status * 256 + peer``, so the error
     recorded names a peer that made another call before one that timed out. With ``REARM`` each
     thread re-armed its vectors inside its spin; otherwise the caller re-arms after a barrier. Past the
-    timeout each spin stores this rank's abort word in the awaited peer (``table_ptr``, ``abort_idx``)
-    and goes on for the grace (``sync.grace_ns``).
+    timeout each spin stores this rank's abort word in the awaited peer once (``table_ptr``,
+    ``abort_idx``), goes on for the grace (``sync.grace_ns``), and withdraws the word if the vector
+    then arrives; with a timeout of 0 (an earlier failure) it stores nothing.
     Requires ``H``, ``numel`` and the row's start to be multiples of 8 elements (whole vectors)."""
     vi = tl.arange(0, BLOCK_H // 8)
     active = (vi * 8 < H) & (row_start + vi * 8 < numel)
@@ -125,13 +131,14 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     want_low = tag_low(epoch)
     deadline = now_ns() + timeout.to(tl.int64)
     grace_end = deadline + grace_ns(timeout).to(tl.int64)
+    tell_at = tl.where(timeout > 0, abort_idx, -1)  # a wait that gives up at once tells no peer
     fault = tl.zeros([BLOCK_H // 8], dtype=tl.int32)
     for q in tl.static_range(WORLD):
         if q == rank:
             acc += own
         else:
             w0, w1, w2, w3, status = spin_vectors(recv_words_ptr + q * slot_words + vi * 4, active, tag_ptr + q,
-                                                  want_low, signature, deadline, table_ptr + q, abort_idx,
+                                                  want_low, signature, deadline, table_ptr + q, tell_at,
                                                   epoch, grace_end, REARM)
             fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
             acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))

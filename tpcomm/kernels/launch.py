@@ -207,7 +207,7 @@ class Replay:
         hooks = self._hooks if self.direct else None
         if (hooks is not None and _idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)
                 and self._current_device() == self.device_index):
-            params = self._params  # integers only: no tensor stays referenced
+            params = self._params  # addresses (and the pinned error words): no caller's tensor stays referenced
             for j, targets in zip(self._sources, self._targets):
                 ptr = tensors[j].data_ptr()
                 for i in targets:

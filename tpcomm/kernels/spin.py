@@ -41,15 +41,17 @@ SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
 #: The spin: $0-$3 the vector's words, $4 the status; $5 the vector's address, $6 the tag's address,
 #: $7 the tag's expected low word, $8 the deadline (``%globaltimer`` ns), $9 active (0: skip, zeros),
 #: $10 the signature (the tag's expected high word), $11 the address of the awaited peer's entry in
-#: the address table, $12 the byte offset of its abort word for this rank, $13 the abort word, $14
-#: the end of the grace. The tag is read as one 64-bit access (no torn read); a tag of this epoch with
-#: another signature ends the spin at once (status 2, nothing re-armed). Outputs are early-clobber
-#: (``=&r``): they are written while the inputs are still read.
+#: the address table, $12 the byte offset of its abort word for this rank (negative: store none, the
+#: wait of a timeout of 0), $13 the abort word, $14 the end of the grace. Past the deadline the word is
+#: stored once (%told), and withdrawn (0 stored) if the vector then arrives. The tag is read as one
+#: 64-bit access (no torn read); a tag of this epoch with another signature ends the spin at once
+#: (status 2, nothing re-armed). Outputs are early-clobber (``=&r``): they are written while the
+#: inputs are still read.
 _SPIN = """{
 .reg .pred %pm, %pt;
-.reg .b32 %h, %tl, %th;
+.reg .b32 %h, %tl, %th, %told;
 .reg .u64 %now, %tag, %a;
-mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0;
+mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0; mov.b32 %told, 0;
 setp.eq.s32 %pm, $9, 0;
 @%pm bra DONE;
 SPIN:
@@ -72,9 +74,14 @@ shr.u32 %h, $3, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
 mov.u64 %now, %globaltimer;
 setp.lt.u64 %pt, %now, $8;
 @%pt bra SPIN;
+setp.ne.u32 %pt, %told, 0;
+setp.lt.or.s64 %pt, $12, 0, %pt;
+@%pt bra GRACE;
 ld.global.u64 %a, [$11];
 add.u64 %a, %a, $12;
 st.global.u64 [%a], $13;
+mov.b32 %told, 1;
+GRACE:
 setp.lt.u64 %pt, %now, $14;
 @%pt bra SPIN;
 mov.b32 $4, 1;
@@ -83,6 +90,11 @@ OTHER:
 mov.b32 $4, 2;
 bra DONE;
 ARRIVED:
+setp.eq.u32 %pt, %told, 0;
+@%pt bra ARMED;
+mov.u64 %tag, 0;
+st.global.u64 [%a], %tag;
+ARMED:
 REARM_STORE
 DONE:
 }"""
@@ -115,12 +127,16 @@ if interpreter_enabled():
         Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32."""
         tag, w0, w1, w2, w3, missing = _poll(words_ptr, active, tag_ptr, want_low)
         now = now_ns()
+        told = now * 0
         while ((tl.max(missing.to(tl.int32), axis=0) > 0) & (now < grace_end)
                & (_other_call(tag, want_low, signature) == 0)):
-            if now >= deadline:
-                store_abort(abort_at, abort_idx, epoch)
+            if (now >= deadline) & (told == 0) & (abort_idx >= 0):
+                store_abort(abort_at, abort_idx, abort_word(epoch))
+                told = now * 0 + 1
             tag, w0, w1, w2, w3, missing = _poll(words_ptr, active, tag_ptr, want_low)
             now = now_ns()
+        if (told != 0) & (tl.max(missing.to(tl.int32), axis=0) == 0):  # arrived within the grace
+            store_abort(abort_at, abort_idx, now * 0)
         status = tl.where(active & _other_call(tag, want_low, signature), 2, tl.where(missing, 1, 0))
         if REARM:
             arrived = active & (status == 0)

@@ -136,20 +136,24 @@ CLOCK_EVERY = tl.constexpr(8)
 GRACE_MAX_NS = tl.constexpr(1_000_000_000)
 
 
+#: The grace's cap under the interpreter (:func:`grace_ns`), in ns.
+GRACE_MAX_INTERPRETED_NS = tl.constexpr(60_000_000_000)
+
 if interpreter_enabled():
     @triton.jit
     def grace_ns(timeout):
-        """How long a wait goes on after ``timeout`` expired and it stored its abort word in the awaited
-        peer, under the interpreter: the timeout again (a program's abort check and its first send are
-        Python steps apart there, milliseconds on a busy machine)."""
-        return timeout
+        """How long a wait goes on after ``timeout`` (int64 ns) expired and it stored its abort word in
+        the awaited peer, under the interpreter: the timeout again, at most ``GRACE_MAX_INTERPRETED_NS``
+        (a program's abort check and its first send are Python steps apart there, milliseconds on a
+        busy machine)."""
+        return tl.minimum(timeout, GRACE_MAX_INTERPRETED_NS)
 else:
     @triton.jit
     def grace_ns(timeout):
-        """How long a wait goes on after ``timeout`` expired and it stored its abort word in the awaited
-        peer: an eighth of the timeout, at most ``GRACE_MAX_NS`` (0 for a timeout of 0). A peer that ran
-        its abort check before that store landed sends its part of this call right after the check, so
-        it lands within the grace."""
+        """How long a wait goes on after ``timeout`` (int64 ns) expired and it stored its abort word in
+        the awaited peer: an eighth of the timeout, at most ``GRACE_MAX_NS`` (0 for a timeout of 0). A
+        peer program that ran its abort check before that store landed sends its part of this call right
+        after the check, so it lands within the grace."""
         return tl.minimum(timeout >> 3, GRACE_MAX_NS)
 
 
@@ -161,12 +165,15 @@ def abort_word(epoch):
 
 
 @triton.jit
-def store_abort(table_entry_ptr, abort_idx, epoch):
-    """Store :func:`abort_word` of ``epoch`` into the peer whose base address is at ``table_entry_ptr``
-    (an entry of an int64 address table), ``abort_idx`` int64 elements from that base (its abort
-    word for this rank). Only on a wait's slow path: the table entry is loaded here."""
+def store_abort(table_entry_ptr, abort_idx, value):
+    """Store ``value`` (:func:`abort_word`, or 0 to withdraw it) into the peer whose base address is at
+    ``table_entry_ptr`` (an entry of an int64 address table), ``abort_idx`` int64 elements from that
+    base (its abort word for this rank). Only on a wait's slow path: the table entry is loaded here.
+    A wait that stored the word and then saw the peer arrive within the grace withdraws it (the peer's
+    check for this epoch has run by then), so a stale word never matches a later epoch of the same low
+    32 bits."""
     base = tl.load(table_entry_ptr).to(tl.pointer_type(tl.int64))
-    tl.store(base + abort_idx, abort_word(epoch))
+    tl.store(base + abort_idx, value)
 
 
 @triton.jit
@@ -182,7 +189,10 @@ def check_abort(abort_ptr, rank, epoch, program, signature, err_ptr, state_ptr, 
     aborter = epoch * 0 - 1
     for q in tl.static_range(WORLD):
         if q != rank:
-            aborter = tl.where(tl.load(abort_ptr + q, volatile=True) == want, q, aborter)
+            # an atomic read: one value for every thread of the program (a plain load is each thread's own,
+            # and a word landing meanwhile would split the program at the barriers that follow)
+            word = tl.atomic_add(abort_ptr + q, 0, sem="relaxed", scope="gpu")
+            aborter = tl.where(word == want, q, aborter)
     if (aborter >= 0) & (timeout > 0):
         record_error(err_ptr, state_ptr, ERR_ABORTED, aborter, epoch, program, signature)
     return aborter < 0
@@ -195,7 +205,8 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
 
     Returns True when the peer arrived with this call's signature. Once ``timeout`` has passed, stores
     this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_idx``) and goes on
-    for :func:`grace_ns`: a peer that arrives within it completes the call with this rank. On expiry
+    for :func:`grace_ns` (so it waits at most ``timeout`` plus the grace): a peer that arrives within it
+    completes the call with this rank, and the word is withdrawn. On expiry
     records ``ERR_TIMEOUT`` (not when ``timeout`` is 0: an earlier wait failed and its error, which names
     the peer really missing, stays), on another signature ``ERR_MISMATCH`` (:func:`record_error`), and
     returns False.
@@ -220,9 +231,11 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
         if rounds % CLOCK_EVERY == 0:
             waited = waited_ns(start)
             if (waited >= timeout) & (told == 0) & (timeout > 0):  # the slow path: tell the peer, once
-                store_abort(abort_at, abort_idx, epoch)
+                store_abort(abort_at, abort_idx, abort_word(epoch))
                 told = timeout * 0 + 1
     arrived = (seen & 0xFFFFFFFF) == want
+    if arrived & (told != 0):  # arrived within the grace: withdraw the word
+        store_abort(abort_at, abort_idx, epoch.to(tl.int64) * 0)
     same_call = (seen >> 32) == signature.to(tl.int64)
     if not arrived:
         if timeout > 0:  # a wait that gave up at once follows an error already recorded: keep that one
@@ -293,9 +306,11 @@ def record_timeout(err_ptr, state_ptr, peer, epoch, program, signature):
 
 @triton.jit
 def launch_timeout(state_ptr, timeout):
-    """``timeout``, or 0 when an earlier wait of this communicator expired (``state[2]``)."""
-    broken = tl.load(state_ptr + 2, volatile=True)
-    return tl.where(broken != 0, 0, timeout)
+    """``timeout`` as int64 (Triton passes a small one as a 32-bit argument, and the waits add the grace
+    to it), or 0 when an earlier wait of this communicator expired (``state[2]``, read with an atomic so
+    that every thread of the program sees the same value)."""
+    broken = tl.atomic_add(state_ptr + 2, 0, sem="relaxed", scope="gpu")
+    return tl.where(broken != 0, 0, timeout.to(tl.int64))
 
 
 @triton.jit
