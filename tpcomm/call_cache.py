@@ -250,8 +250,9 @@ def _outputs_clear(outputs: tuple, inputs: tuple) -> bool:
     (every tensor of a recorded call is contiguous, so each is the span of its bytes; an empty one
     shares nothing). An in-place ``residual_out`` is passed as None: it is ``residual`` itself, which
     the kernels read and write row by row. :func:`tpcomm.validate.overlapping` on the hit path."""
-    spans = []
-    for t in outputs:
+    spans = []  # the outputs' so far; an input is compared with every output, an output with the earlier
+    n_out = len(outputs)
+    for k, t in enumerate(outputs + inputs):
         if t is not None:
             p = t.data_ptr()
             e = p + t.numel() * t.element_size()
@@ -259,15 +260,8 @@ def _outputs_clear(outputs: tuple, inputs: tuple) -> bool:
                 for s0, e0 in spans:
                     if p < e0 and s0 < e:
                         return False
-                spans.append((p, e))
-    for t in inputs:
-        if t is not None:
-            p = t.data_ptr()
-            e = p + t.numel() * t.element_size()
-            if e > p:
-                for s0, e0 in spans:
-                    if p < e0 and s0 < e:
-                        return False
+                if k < n_out:
+                    spans.append((p, e))
     return True
 
 
