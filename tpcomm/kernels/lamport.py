@@ -102,7 +102,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
                 store_abort(table_ptr + q, abort_idx, waited * 0)
             if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
-            if code >= 8:
+            if (code >= 8) & (timeout > 0):
                 record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
             timeout = tl.where((code != 0) | (timeout == 0), 0, timeout)
     return timeout
@@ -143,7 +143,7 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
             fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
             acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
     worst = tl.max(fault, axis=0)
-    if worst >= 512:
+    if (worst >= 512) & (timeout > 0):  # timeout 0: an earlier error is recorded already, and stays
         record_error(err_ptr, state_ptr, ERR_MISMATCH, worst % 256, epoch, program, signature)
     elif (worst >= 256) & (timeout > 0):  # timeout 0: an earlier error is recorded already
         record_timeout(err_ptr, state_ptr, worst % 256, epoch, program, signature)

@@ -137,7 +137,7 @@ GRACE_MAX_NS = tl.constexpr(1_000_000_000)
 
 
 #: The grace's cap under the interpreter (:func:`grace_ns`), in ns.
-GRACE_MAX_INTERPRETED_NS = tl.constexpr(60_000_000_000)
+GRACE_MAX_INTERPRETED_NS = tl.constexpr(1_000_000_000)
 
 if interpreter_enabled():
     @triton.jit
@@ -207,8 +207,8 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_idx``) and goes on
     for :func:`grace_ns` (so it waits at most ``timeout`` plus the grace): a peer that arrives within it
     completes the call with this rank, and the word is withdrawn. On expiry
-    records ``ERR_TIMEOUT`` (not when ``timeout`` is 0: an earlier wait failed and its error, which names
-    the peer really missing, stays), on another signature ``ERR_MISMATCH`` (:func:`record_error`), and
+    records ``ERR_TIMEOUT``, on another signature ``ERR_MISMATCH`` (:func:`record_error`; neither when
+    ``timeout`` is 0: an earlier failure's error, which names the peer really at fault, stays), and
     returns False.
     The caller runs ``tl.debug_barrier()`` before loading the data this flag publishes.
 
@@ -240,7 +240,7 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     if not arrived:
         if timeout > 0:  # a wait that gave up at once follows an error already recorded: keep that one
             record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program, signature)
-    elif not same_call:
+    elif (not same_call) & (timeout > 0):  # timeout 0: the error recorded first stays
         record_error(err_ptr, state_ptr, ERR_MISMATCH, peer, epoch, program, signature)
     return arrived & same_call
 
