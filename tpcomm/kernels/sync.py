@@ -23,6 +23,12 @@ Protocol:
     (``state[2]``, device memory) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
     later launch, gives up at once, so a call of many rows or chunks reports after one timeout.
+  * The same outcome on every rank: a wait that passes its timeout stores its abort word
+    (``1 << 32 | epoch``) in the awaited peer's workspace, once, and waits on for a grace
+    (:func:`grace_ns`), withdrawing the word if the peer arrives then. Every kernel reads its rank's
+    abort words at its start (:func:`check_abort`); a program whose epoch a peer gave up on records
+    ``ERR_ABORTED`` and sends no flag or call tag, so no rank completes that call
+    (docs/reliability.md, "What each rank sees").
   * Epochs advance inside the kernels: each program reads the epoch and takes a ticket from a start
     counter in one atomic when it starts; the program with the last ticket resets the counter and
     advances the epoch when it ends (a launch of one program reads and stores the epoch directly).
