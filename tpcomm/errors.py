@@ -66,7 +66,7 @@ class PeerAbortedError(PeerTimeoutError):
         self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
         TpcommError.__init__(
             self,
-            f"{op}: rank {peer} gave up waiting for rank {rank} at epoch {epoch} (its timeout, {timeout_s:g} s "
-            f"here, passed before rank {rank}'s call of that epoch ran; program {program}): rank {rank} "
-            "was late, or skipped a call. This communicator is unusable now; create a new one."
+            f"{op}: rank {peer} gave up waiting for rank {rank} at epoch {epoch} (its timeout passed before "
+            f"rank {rank}'s call of that epoch ran; program {program}): rank {rank} was late, or skipped a "
+            "call. This communicator is unusable now; create a new one."
         )
