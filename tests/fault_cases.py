@@ -73,7 +73,7 @@ FAULTS.update(FP8_FAULTS)
 #: the grace after it (on CPU ranks the timeout again), with room for a slow machine.
 LATE_S = 2.5
 #: Faults of timing and of the algorithm, for every world size of ``ORDER_FAULTS``' lists (one list of
-#: calls per rank; ``("sleep", seconds, None)`` is a pause, not a call; ``op@algo`` forces the algorithm
+#: calls per rank; ``("sleep", seconds, None)`` is a pause before the rank's calls, not a call; ``op@algo`` forces the algorithm
 #: of that call): the last rank is late (it arrives after its peers gave up), is late after skipping a
 #: call, or runs another algorithm. Expected errors: ``EXPECTED``.
 ORDER_FAULTS = {
@@ -126,9 +126,6 @@ def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
     """Make one call with seeded small-integer inputs; returns how its result differs from the right one
     (empty when right). ``op`` may name a ``dim`` too: ``"all_gather:1"``, or FP8 options:
     ``"fp8:<FP8_SPECS key>"``."""
-    if op == "sleep":
-        time.sleep(shape)
-        return []
     op, _, algo = op.partition("@")
     if algo:
         with comm.use_algorithm(algo):
@@ -176,11 +173,9 @@ def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
         warm = _call(comm, ctx.rank, ctx.world_size, 7000, "all_reduce", (1, 16), torch.float32)
         epoch = comm.workspace.epoch()
         seen, returned, again = None, [], None
+        time.sleep(sum(c[1] for c in calls[ctx.rank] if c[0] == "sleep"))  # a late rank's lateness: not timed
         t0 = time.perf_counter()
         for i, (op, shape, dtype) in enumerate(c for c in calls[ctx.rank] if c[0] != "sleep"):
-            if calls[ctx.rank][0][0] == "sleep" and i == 0:  # a late rank: its lateness is not its call's time
-                _call(comm, ctx.rank, ctx.world_size, 0, *calls[ctx.rank][0])
-                t0 = time.perf_counter()
             try:
                 fails = _call(comm, ctx.rank, ctx.world_size, 7100 + i, op, shape, dtype)
             except tpcomm.PeerTimeoutError as e:

@@ -24,11 +24,12 @@ class PeerTimeoutError(TpcommError):
 
     def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
         self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
-        super().__init__(
-            f"{op}: rank {rank} waited more than {timeout_s:g} s for rank {peer} at epoch {epoch} "
-            f"(program {program}); rank {peer} skipped the call, called another op or size, or is stuck. "
-            "This communicator is unusable now; create a new one."
-        )
+        super().__init__(self._message(timeout_s))
+
+    def _message(self, timeout_s: float) -> str:
+        return (f"{self.op}: rank {self.rank} waited more than {timeout_s:g} s for rank {self.peer} at epoch "
+                f"{self.epoch} (program {self.program}); rank {self.peer} skipped the call, called another op or "
+                "size, or is stuck. This communicator is unusable now; create a new one.")
 
 
 class PeerMismatchError(PeerTimeoutError):
@@ -39,16 +40,11 @@ class PeerMismatchError(PeerTimeoutError):
     are undefined. The communicator is unusable afterwards; create a new one.
     """
 
-    def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
-        self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
-        TpcommError.__init__(
-            self,
-            f"{op}: rank {peer} made a different call at epoch {epoch} (another op, shape, dim, dtype, "
-            f"eps, gemma, residual, FP8 mode, format or group size, or algorithm; seen by rank {rank}, "
-            f"program {program}). Every "
-            "rank must make the same calls in the same order. This communicator is unusable now; create a "
-            "new one."
-        )
+    def _message(self, timeout_s: float) -> str:
+        return (f"{self.op}: rank {self.peer} made a different call at epoch {self.epoch} (another op, shape, "
+                f"dim, dtype, eps, gemma, residual, FP8 mode, format or group size, or algorithm; seen by rank "
+                f"{self.rank}, program {self.program}). Every rank must make the same calls in the same order. "
+                "This communicator is unusable now; create a new one.")
 
 
 class PeerAbortedError(PeerTimeoutError):
@@ -62,11 +58,7 @@ class PeerAbortedError(PeerTimeoutError):
     the one it waited for. The communicator is unusable afterwards; create a new one.
     """
 
-    def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
-        self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
-        TpcommError.__init__(
-            self,
-            f"{op}: rank {peer} gave up waiting for rank {rank} at epoch {epoch} (its timeout passed before "
-            f"rank {rank}'s call of that epoch ran; program {program}): rank {rank} was late, or skipped a "
-            "call. This communicator is unusable now; create a new one."
-        )
+    def _message(self, timeout_s: float) -> str:
+        return (f"{self.op}: rank {self.peer} gave up waiting for rank {self.rank} at epoch {self.epoch} (its "
+                f"timeout passed before rank {self.rank}'s call of that epoch ran; program {self.program}): rank "
+                f"{self.rank} was late, or skipped a call. This communicator is unusable now; create a new one.")
