@@ -59,7 +59,7 @@ def resources(ptx):
 #: shapes the kernels run at, e.g. hidden 6144): Triton specialises those as divisible by 16, which lets
 #: it vectorise the accesses; without the attribute every access compiles as a scalar one.
 DIVISIBLE_16 = {"x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "q_ptr", "s_ptr", "buf_table_ptr",
-                "flag_table_ptr", "state_ptr", "err_ptr", "abort_ptr", "H", "numel", "row_stride", "slot_stride",
+                "flag_table_ptr", "state_ptr", "err_ptr", "H", "numel", "row_stride", "slot_stride",
                 "parity_stride", "tag_off", "half_stride", "width", "out_rank_stride"}
 
 
@@ -75,8 +75,8 @@ def build(fn, types, constexprs, num_warps=16, pdl=True):
 def epi_types(dt):
     return {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
             "res_out_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "s_row_stride": "i32",
-            "s_group_stride": "i32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i32",
-            "err_ptr": "*i32", "abort_ptr": "*i64", "abort_off": "i32", "n_rows": "i32", "H": "i32",
+            "s_group_stride": "i32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i64",
+            "err_ptr": "*i32", "abort_off": "i32", "n_rows": "i32", "H": "i32",
             "numel": "i32", "row_stride": "i32",
             "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "pad_programs": "i32", "eps": "fp32",
             "timeout": "i64", "rank": "i32", "signature": "i32", "j0": "i32", "n_local": "i32",

@@ -23,6 +23,9 @@
 #   bash benchmarks/session.sh decode5   # ONE GPU (carry [".old2"]): the loopback and FP8 GPU tests, then the
 #                                        # decode bench (6144, 1-64 tokens) of this tree and of .old2/, then
 #                                        # the host time per call at 1 token
+#   bash benchmarks/session.sh decode6   # ONE GPU (carry [".old2", ".whl"]): the loopback fault tests and graph
+#                                        # replays, then the decode bench (6144, 1-64 tokens, with TRT-LLM) of
+#                                        # this tree, of .old2/ and of this tree again
 #   bash benchmarks/session.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
 #                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
@@ -178,6 +181,21 @@ decode5)
     timeout 60 python3 benchmarks/host_loopback.py --calls 200 --rounds 3 --tokens 1 --out $W/host_loopback.json \
         > $W/host_loopback.log 2>&1
     echo "host_loopback rc=$?" >> $W/summary.txt ;;
+decode6)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py \
+        -k "missing_peer or late_rank or another_call or graph_replays or repeated" > $W/fault_tests.log 2>&1
+    echo "fault_tests rc=$?" >> $W/summary.txt; tail -1 $W/fault_tests.log >> $W/summary.txt
+    for run in new old new2; do
+        if [ $run = old ]; then
+            cp tpcomm/bench/loopback.py tpcomm/bench/args.py .old2/tpcomm/bench/
+            (cd .old2 && PYTHONPATH=. timeout 70 python3 -m tpcomm bench --loopback --hidden 6144 --tokens 1,16,64 \
+                --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt)
+        else
+            with_flashinfer timeout 100 python3 -m tpcomm bench --loopback --hidden 6144 --tokens 1,16,64 \
+                --json $W/bench-$run.json > $W/bench-$run.log 2>&1
+            echo "bench-$run rc=$?" >> $W/summary.txt
+        fi
+    done ;;
 decode2)
     for n in 25 200; do
         timeout 80 python3 benchmarks/host_loopback.py --calls $n --rounds 5 --out $W/host_loopback_$n.json \
@@ -191,7 +209,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"

@@ -644,7 +644,7 @@ class Communicator:
             if ws is None:  # closed meanwhile
                 return
             replays = call_cache.record(launched, tensors, (ws.buf_table, ws.flag_table, ws.lamport_table,
-                                                            ws.state, ws.err, ws.abort_words), self._direct,
+                                                            ws.state, ws.err), self._direct,
                                         self.device.index)
             if replays is not None:
                 self._calls.put(key, call_cache.CachedCall(replays, spec, outputs, tensors[0]))

@@ -7,16 +7,18 @@ Every rank holds one buffer of the same size, mapped by every other rank of the 
     [ receive buffers: [2 parities][world_size slots][slot_bytes] ]
     [ Lamport buffers: [2 parities][world_size slots][lamport_slot_bytes], every 16-bit word 0x8000 ]
     [ Lamport call tags: int64 [2 parities][max_programs][world_size], every 16-bit half 0x8000 ]
-    [ abort words: int64 [world_size], zero, padded to 256 bytes ]
+    [ abort region: int64 state word, then abort words int64 [pad_programs][world_size], zero but
+      the epoch 1, padded to 256 bytes ]
 
-Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it; abort word ``q`` of a rank,
-what rank ``q`` stored there when it gave up waiting for this rank (``1 << 32 | epoch``,
-:func:`tpcomm.kernels.sync.check_abort`). Two int64 tables on the
-kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer address
-(``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each rank keeps local state: ``state = [epoch, start
-counter, broken]`` (int32, device memory, advanced by the kernels; ``broken`` is set by a wait that
-expired) and five int32 error words (code, peer, epoch, program, the call's signature), which on CUDA
-live in pinned host memory so the host reads them without a device synchronisation.
+Slot ``q`` of a rank's receive buffer holds what rank ``q`` pushed to it; abort word ``[p][q]`` of a
+rank, what program ``p`` of rank ``q`` stored there when it gave up waiting for this rank
+(``1 << 32 | epoch``, :func:`tpcomm.kernels.sync.check_abort`). The state word (``state``) holds the
+epoch, the start counter and two flags, advanced and set by the kernels (:mod:`tpcomm.kernels.sync`):
+it is in the shared buffer because a peer that stores an abort word sets one of its flags. Two int64
+tables on the kernel's device give every rank's signal-pad address (``flag_table``), receive-buffer
+address (``buf_table``) and Lamport-buffer address (``lamport_table``). Beside the shared buffer each
+rank keeps five int32 error words (code, peer, epoch, program, the call's signature), which on CUDA live
+in pinned host memory so the host reads them without a device synchronisation.
 
 Backends:
   * CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous`` over the group).
@@ -103,7 +105,7 @@ class Workspace:
         self.data_bytes = 2 * self.world_size * self.slot_bytes
         self.lamport_bytes = 2 * self.world_size * self.lamport_slot_bytes
         self.tag_bytes = _round_up(2 * self.world_size * max_programs * 8, _ALIGN)
-        self.abort_bytes = _round_up(self.world_size * 8, _ALIGN)
+        self.abort_bytes = _round_up((1 + self.pad_programs * self.world_size) * 8, _ALIGN)
         self.total_bytes = self.flag_bytes + self.data_bytes + self.lamport_bytes + self.tag_bytes + self.abort_bytes
         self.timeout_s = timeout_s
         # nanoseconds, as the kernels' waits count them; at least 1, since 0 means "an earlier wait failed"
@@ -121,9 +123,10 @@ class Workspace:
         self.buf_table = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
         self.lamport_table = torch.tensor([b + self.flag_bytes + self.data_bytes for b in bases],
                                           dtype=torch.int64, device=device)
-        self.state = torch.tensor([1, 0, 0], dtype=torch.int32, device=device)
-        # this rank's abort words, in its own buffer: read by every kernel at its start
-        self.abort_words = self.buffer[self.total_bytes - self.abort_bytes:self.total_bytes].view(torch.int64)
+        # this rank's state word, in its own buffer: read by every program at its start, its notified flag
+        # set by a peer that stores an abort word after it
+        region = self.total_bytes - self.abort_bytes
+        self.state = self.buffer[region:region + 8].view(torch.int64)
         self.err = torch.zeros(5, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._err_words = self.err.numpy()  # the same memory: reading it costs no torch dispatch
         self.closed = False
@@ -215,14 +218,15 @@ class Workspace:
             self._memfd = None
 
     def _arm(self, buffer: torch.Tensor) -> None:
-        """Zero the signal pad and the abort words, fill the Lamport buffers and tags with the sentinel
-        (before any peer maps it)."""
+        """Zero the signal pad and the abort region, fill the Lamport buffers and tags with the sentinel,
+        set the epoch to 1 (before any peer maps it)."""
         buffer[: self.flag_bytes].zero_()
         end = self.total_bytes - self.abort_bytes
         lam = buffer[self.flag_bytes + self.data_bytes:end]
         if lam.numel():
             lam.view(torch.int16).fill_(-32768)
         buffer[end:self.total_bytes].zero_()
+        buffer[end:end + 8].view(torch.int64).fill_(1)
 
     def _unlink(self) -> None:
         for p in self._shm_paths:
@@ -264,8 +268,8 @@ class Workspace:
 
     def abort_offset(self, table: str) -> int:
         """int64 elements from a rank's base in ``table`` (``"flag"``, ``"buf"`` or ``"lamport"``: the
-        address its kernel reads from ``flag_table``, ``buf_table`` or ``lamport_table``) to its abort
-        words."""
+        address its kernel reads from ``flag_table``, ``buf_table`` or ``lamport_table``) to its state
+        word, which the abort words follow."""
         start = self.total_bytes - self.abort_bytes
         base = {"flag": 0, "buf": self.flag_bytes, "lamport": self.flag_bytes + self.data_bytes}[table]
         return (start - base) // 8
@@ -293,7 +297,7 @@ class Workspace:
 
     def epoch(self) -> int:
         """The epoch the next launch will use (synchronises the device on CUDA)."""
-        return int(self.state[0].item())
+        return int(self.state.item()) & 0xFFFFFFFF
 
     def close(self) -> None:
         """Free the buffers. Idempotent. Not collective, but peers must have finished their calls."""
@@ -306,4 +310,4 @@ class Workspace:
         self.buffer = None
         self._handle = None
         # Drop the device tensors too: a closed communicator kept by the caller should hold no memory.
-        self.flag_table = self.buf_table = self.lamport_table = self.state = self.abort_words = None
+        self.flag_table = self.buf_table = self.lamport_table = self.state = None

@@ -22,16 +22,16 @@ from .sync import (check_abort, exchange_flags, finish_program, flag_offset, lau
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
-def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr, abort_ptr,
+def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                        n_rows, width, numel, out_rank_stride, row_stride, slot_stride, parity_stride,
                        pad_programs, timeout, rank, signature, abort_off,
                        WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch, ticket = start_program(state_ptr, num_programs, PDL)
-    timeout = launch_timeout(state_ptr, timeout)
-    alive = check_abort(abort_ptr, rank, epoch, pid, signature, err_ptr, state_ptr, timeout, WORLD)
+    epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
+    timeout = launch_timeout(word, timeout)
+    alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
     timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -83,7 +83,7 @@ def all_gather_call(x, out, out_rank_stride: int, ws, n_rows: int, width: int, c
     """
     es = x.element_size()
     return KernelCall(_all_gather_kernel, cfg.grid(n_rows), (
-        x, out, ws.buf_table, ws.flag_table, ws.state, ws.err, ws.abort_words,
+        x, out, ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, width, x.numel(), out_rank_stride, ws.row_stride(width, es), ws.slot_elems(es),
         ws.parity_elems(es), ws.pad_programs, ws.timeout, ws.rank, signature, ws.abort_offset("flag"),
     ), dict(

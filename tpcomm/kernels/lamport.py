@@ -42,8 +42,8 @@ from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_qua
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .launch import KernelCall
-from .sync import (ERR_MISMATCH, abort_word, check_abort, finish_program, grace_ns, launch_timeout, now_ns,
-                   peer_ptr, record_error, record_timeout, start_program, store_abort)
+from .sync import (ERR_MISMATCH, abort_index, abort_word, check_abort, finish_program, grace_ns, launch_timeout,
+                   now_ns, peer_ptr, record_error, record_timeout, start_program, store_abort)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
@@ -66,7 +66,7 @@ def _poll_code(p, mask, tag_ptr, want_low, signature, waited, timeout):
 
 @triton.jit
 def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
-               timeout, err_ptr, state_ptr, table_ptr, abort_idx, WORLD: tl.constexpr):
+               timeout, err_ptr, state_ptr, table_ptr, abort_off, WORLD: tl.constexpr):
     """The block-wide wait (rows of several tiles, or not in whole 16-byte vectors): spin until, for every
     peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) carries this epoch and no element of
     this tile in ``q``'s slot holds the sentinel (bounded). A tag of this epoch with another signature ends the wait at once and records
@@ -80,10 +80,11 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
     every thread: the reduction's barriers inside the loop are reached by every warp the same number of
     times. A timeout of 0 (an earlier wait failed) leaves at once, and the call then counts as failed
     whatever arrived (the error recorded first stays). Past the timeout a thread stores this rank's abort
-    word in ``q`` once (``sync.store_abort``: ``table_ptr`` the address table, ``abort_idx`` the word's
-    place), the wait goes on for the grace (``sync.grace_ns``), and a thread that stored the word
-    withdraws it when the peer arrives within the grace."""
+    word in ``q`` once (``sync.store_abort``: ``table_ptr`` the address table, ``abort_off`` the place of
+    a rank's state word from its base), the wait goes on for the grace (``sync.grace_ns``), and a thread
+    that stored the word withdraws it when the peer arrives within the grace."""
     want_low = tag_low(epoch)
+    abort_idx = abort_index(abort_off, program, rank, WORLD)
     limit = timeout + grace_ns(timeout)
     for q in tl.static_range(WORLD):
         if q != rank:
@@ -95,11 +96,11 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
             while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
                 waited = now_ns() - start
                 if (waited >= timeout) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
-                    store_abort(table_ptr + q, abort_idx, abort_word(epoch))
+                    store_abort(table_ptr + q, abort_off, abort_idx, abort_word(epoch))
                     told = waited * 0 + 1
                 code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, limit)
             if (code == 0) & (told != 0):  # arrived within the grace: withdraw the word
-                store_abort(table_ptr + q, abort_idx, waited * 0)
+                store_abort(table_ptr + q, abort_off, abort_idx, waited * 0)
             if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
                 record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
             if (code >= 8) & (timeout > 0):
@@ -110,7 +111,7 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
 
 @triton.jit
 def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, rank, epoch,
-              program, signature, timeout, err_ptr, state_ptr, table_ptr, abort_idx, WORLD: tl.constexpr,
+              program, signature, timeout, err_ptr, state_ptr, table_ptr, abort_off, WORLD: tl.constexpr,
               BLOCK_H: tl.constexpr, REARM: tl.constexpr, DTYPE: tl.constexpr):
     """The wait of a row of one tile, every thread on its own 16-byte vectors (:func:`spin.spin_vectors`),
     and the row's sum: ``(acc, timeout)``, ``acc`` the tile summed over the ranks in rank order in float32
@@ -122,8 +123,8 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     recorded names a peer that made another call before one that timed out. With ``REARM`` each
     thread re-armed its vectors inside its spin; otherwise the caller re-arms after a barrier. Past the
     timeout each spin stores this rank's abort word in the awaited peer once (``table_ptr``,
-    ``abort_idx``), goes on for the grace (``sync.grace_ns``), and withdraws the word if the vector
-    then arrives; with a timeout of 0 (an earlier failure) it stores nothing.
+    ``abort_off``: ``sync.store_abort``), goes on for the grace (``sync.grace_ns``), and withdraws the
+    word if the vector then arrives; with a timeout of 0 (an earlier failure) it stores nothing.
     Requires ``H``, ``numel`` and the row's start to be multiples of 8 elements (whole vectors)."""
     vi = tl.arange(0, BLOCK_H // 8)
     active = (vi * 8 < H) & (row_start + vi * 8 < numel)
@@ -131,15 +132,16 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     want_low = tag_low(epoch)
     deadline = now_ns() + timeout.to(tl.int64)
     grace_end = deadline + grace_ns(timeout).to(tl.int64)
-    tell_at = tl.where(timeout > 0, abort_idx, -1)  # a wait that gives up at once tells no peer
+    # a wait that gives up at once tells no peer
+    tell_at = tl.where(timeout > 0, abort_index(abort_off, program, rank, WORLD), -1)
     fault = tl.zeros([BLOCK_H // 8], dtype=tl.int32)
     for q in tl.static_range(WORLD):
         if q == rank:
             acc += own
         else:
             w0, w1, w2, w3, status = spin_vectors(recv_words_ptr + q * slot_words + vi * 4, active, tag_ptr + q,
-                                                  want_low, signature, deadline, table_ptr + q, tell_at,
-                                                  epoch, grace_end, REARM)
+                                                  want_low, signature, deadline, table_ptr + q, abort_off,
+                                                  tell_at, epoch, grace_end, REARM)
             fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
             acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
     worst = tl.max(fault, axis=0)
@@ -153,7 +155,7 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
-                    buf_table_ptr, state_ptr, err_ptr, abort_ptr,
+                    buf_table_ptr, state_ptr, err_ptr,
                     n_rows, H, numel, row_stride, slot_stride, parity_stride,
                     eps, timeout, rank, signature, tag_off, max_programs, abort_off,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -163,9 +165,9 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch, ticket = start_program(state_ptr, num_programs, PDL)
-    timeout = launch_timeout(state_ptr, timeout)
-    alive = check_abort(abort_ptr, rank, epoch, pid, signature, err_ptr, state_ptr, timeout, WORLD)
+    epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
+    timeout = launch_timeout(word, timeout)
+    alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
     timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
     offs = tl.arange(0, BLOCK_H)
@@ -215,20 +217,20 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         if VECTORS:  # one tile, every thread on its own 16-byte vectors
             acc, timeout = _spin_row(own, recv_words + row * (row_stride // 2), slot_stride // 2,
                                      row_start, numel, H, tags, rank, epoch, pid, signature,
-                                     timeout, err_ptr, state_ptr, buf_table_ptr, abort_off + rank, WORLD,
+                                     timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD,
                                      BLOCK_H, REARM_IN_SPIN, x_ptr.dtype.element_ty)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
         elif NUM_TILES == 1:  # rows not in whole vectors: a block-wide poll; the epilogue reads the tile again
             mask = (offs < H) & (row_start + offs < numel)
             timeout = _poll_tile(recv + row * row_stride, slot_stride, offs, mask, tags, rank, epoch, pid,
-                                 signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off + rank, WORLD)
+                                 signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD)
             s_pre = offs
         else:  # rows of several tiles read them again
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = (cols < H) & (row_start + cols < numel)
                 timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, tags, rank, epoch, pid,
-                                     signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off + rank,
+                                     signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off,
                                      WORLD)
             s_pre = offs
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
@@ -273,7 +275,7 @@ def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int
     return KernelCall(_lamport_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
-        ws.lamport_table, ws.state, ws.err, ws.abort_words,
+        ws.lamport_table, ws.state, ws.err,
         n_rows, H, x.numel(), ws.row_stride(H, 2), ws.lamport_slot_bytes // 2,
         ws.world_size * ws.lamport_slot_bytes // 2,
         eps, ws.timeout, ws.rank, signature, ws.tag_offset(), ws.max_programs, ws.abort_offset("lamport"),

@@ -31,7 +31,7 @@ from .sync import (check_abort, exchange_flags, finish_program, flag_offset, lau
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
-                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr, abort_ptr,
+                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, pad_programs,
                      eps, timeout, rank, signature, abort_off,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -40,9 +40,9 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                      GROUP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    epoch, ticket = start_program(state_ptr, num_programs, PDL)
-    timeout = launch_timeout(state_ptr, timeout)
-    alive = check_abort(abort_ptr, rank, epoch, pid, signature, err_ptr, state_ptr, timeout, WORLD)
+    epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
+    timeout = launch_timeout(word, timeout)
+    alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
     timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -106,7 +106,7 @@ def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: in
     return KernelCall(_one_shot_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
-        ws.buf_table, ws.flag_table, ws.state, ws.err, ws.abort_words,
+        ws.buf_table, ws.flag_table, ws.state, ws.err,
         n_rows, H, x.numel(), row_stride, ws.slot_elems(x.element_size()),
         ws.parity_elems(x.element_size()), ws.pad_programs,
         eps, ws.timeout, ws.rank, signature, ws.abort_offset("flag"),

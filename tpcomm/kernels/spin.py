@@ -10,8 +10,8 @@ Mechanism: :func:`spin_vectors` is one inline-PTX loop per 16-byte vector. It lo
 (``ld.volatile.global.v4.b32``) and the sender's 64-bit call tag, and goes round again while any of the
 eight 16-bit halves holds the sentinel or the tag's low word is not this call's, until ``%globaltimer``
 passes the deadline, or the tag is this epoch's with another call's signature. Past the deadline the
-thread stores this rank's abort word in the awaited peer (``sync.store_abort``: the peer's base read
-from its table entry, only then) and spins on until the grace ends (``sync.grace_ns``). The vector's
+thread stores this rank's abort word in the awaited peer and sets its notified flag
+(``sync.store_abort``: the peer's base read from its table entry, only then) and spins on until the grace ends (``sync.grace_ns``). The vector's
 words and a status come back per thread: 0 arrived, 1 timed out, 2 another call's tag (at once,
 whatever arrived). A caller combines statuses once, after the loops (timings: docs/benchmarks.md,
 "Decode kernels").
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
-from .sync import abort_word, now_ns, store_abort
+from .sync import NOTIFIED_FLAG, abort_word, now_ns, store_abort
 
 #: Two sentinels in one 32-bit word: the re-armed state of a Lamport vector.
 SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
@@ -42,15 +42,16 @@ SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
 #: $7 the tag's expected low word, $8 the deadline (``%globaltimer`` ns), $9 active (0: skip, zeros),
 #: $10 the signature (the tag's expected high word), $11 the address of the awaited peer's entry in
 #: the address table, $12 the byte offset of its abort word for this rank (negative: store none, the
-#: wait of a timeout of 0), $13 the abort word, $14 the end of the grace. Past the deadline the word is
-#: stored once (%told), and withdrawn (0 stored) if the vector then arrives. The tag is read as one
-#: 64-bit access (no torn read); a tag of this epoch with another signature ends the spin at once
-#: (status 2, nothing re-armed). Outputs are early-clobber (``=&r``): they are written while the
+#: wait of a timeout of 0), $13 the abort word, $14 the end of the grace, $15 the byte offset of the
+#: peer's state word. Past the deadline the word is stored once (%told), then the peer's
+#: ``sync.NOTIFIED_BIT`` set (a release), and the word withdrawn (0 stored) if the vector then arrives.
+#: The tag is read as one 64-bit access (no torn read); a tag of this epoch with another signature ends
+#: the spin at once (status 2, nothing re-armed). Outputs are early-clobber (``=&r``): they are written while the
 #: inputs are still read.
 _SPIN = """{
 .reg .pred %pm, %pt;
 .reg .b32 %h, %tl, %th, %told;
-.reg .u64 %now, %tag, %a;
+.reg .u64 %now, %tag, %a, %s;
 mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0; mov.b32 %told, 0;
 setp.eq.s32 %pm, $9, 0;
 @%pm bra DONE;
@@ -78,8 +79,11 @@ setp.ne.u32 %pt, %told, 0;
 setp.lt.or.s64 %pt, $12, 0, %pt;
 @%pt bra GRACE;
 ld.global.u64 %a, [$11];
+add.u64 %s, %a, $15;
 add.u64 %a, %a, $12;
 st.global.u64 [%a], $13;
+mov.u64 %tag, NOTIFIED;
+red.release.sys.global.or.b64 [%s], %tag;
 mov.b32 %told, 1;
 GRACE:
 setp.lt.u64 %pt, %now, $14;
@@ -101,6 +105,7 @@ DONE:
 _REARM_STORE = ("mov.b32 %h, -2147450880;\n"
                 "st.global.v4.b32 [$5], {%h, %h, %h, %h};")
 #: The spin that re-arms the vector it read, and the one that leaves it.
+_SPIN = _SPIN.replace("NOTIFIED", str(NOTIFIED_FLAG))
 SPIN_REARM = tl.constexpr(_SPIN.replace("REARM_STORE", _REARM_STORE))
 SPIN_KEEP = tl.constexpr(_SPIN.replace("REARM_STORE", ""))
 
@@ -120,8 +125,8 @@ def tag_low(epoch):
 
 if interpreter_enabled():
     @triton.jit
-    def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, abort_at, abort_idx, epoch,
-                     grace_end, REARM: tl.constexpr):
+    def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, abort_at, abort_off, abort_idx,
+                     epoch, grace_end, REARM: tl.constexpr):
         """The interpreter's twin of the PTX spin (module docstring): ``words_ptr`` int32 pointers to
         each vector's first word, ``[V]``; ``active`` ``[V]`` bool; ``tag_ptr`` the sender's int64 tag.
         Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32."""
@@ -131,12 +136,12 @@ if interpreter_enabled():
         while ((tl.max(missing.to(tl.int32), axis=0) > 0) & (now < grace_end)
                & (_other_call(tag, want_low, signature) == 0)):
             if (now >= deadline) & (told == 0) & (abort_idx >= 0):
-                store_abort(abort_at, abort_idx, abort_word(epoch))
+                store_abort(abort_at, abort_off, abort_idx, abort_word(epoch))
                 told = now * 0 + 1
             tag, w0, w1, w2, w3, missing = _poll(words_ptr, active, tag_ptr, want_low)
             now = now_ns()
         if (told != 0) & (tl.max(missing.to(tl.int32), axis=0) == 0):  # arrived within the grace
-            store_abort(abort_at, abort_idx, now * 0)
+            store_abort(abort_at, abort_off, abort_idx, now * 0)
         status = tl.where(active & _other_call(tag, want_low, signature), 2, tl.where(missing, 1, 0))
         if REARM:
             arrived = active & (status == 0)
@@ -175,27 +180,29 @@ if interpreter_enabled():
         return active & (data | (low != want_low))
 else:
     @triton.jit
-    def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, abort_at, abort_idx, epoch,
-                     grace_end, REARM: tl.constexpr):
+    def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, abort_at, abort_off, abort_idx,
+                     epoch, grace_end, REARM: tl.constexpr):
         """Spin until the 16-byte vector at each of ``words_ptr`` (int32 pointers, ``[V]``, 16-byte
         aligned) holds no sentinel and the tag at ``tag_ptr`` (the sender's, int64) carries ``want_low``
         (:func:`tag_low`), or ``%globaltimer`` passes ``grace_end``; past ``deadline`` the thread stores
         :func:`~tpcomm.kernels.sync.abort_word` of ``epoch`` in the peer whose base address is at
-        ``abort_at``, ``abort_idx`` int64 elements on. Lanes where ``active`` is False skip.
+        ``abort_at``, ``abort_idx`` int64 elements on, and sets the notified flag of its state word,
+        ``abort_off`` elements on. Lanes where ``active`` is False skip.
         Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32 (module docstring). One thread per
         vector when ``REARM`` (the caller's layout has no replicated lanes)."""
         addr = words_ptr.to(tl.int64)
         zero = (addr * 0).to(tl.int32)
         args = [addr, tag_ptr.to(tl.int64) + addr * 0, want_low + zero, deadline + addr * 0,
                 active.to(tl.int32), signature + zero, abort_at.to(tl.int64) + addr * 0,
-                abort_idx.to(tl.int64) * 8 + addr * 0, abort_word(epoch) + addr * 0, grace_end + addr * 0]
+                abort_idx.to(tl.int64) * 8 + addr * 0, abort_word(epoch) + addr * 0, grace_end + addr * 0,
+                abort_off.to(tl.int64) * 8 + addr * 0]
         if REARM:
             w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_REARM, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r,l,l,l,l", args,
+                SPIN_REARM, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r,l,l,l,l,l", args,
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
         else:
             w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_KEEP, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r,l,l,l,l", args,
+                SPIN_KEEP, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r,l,l,l,l,l", args,
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
         return w0, w1, w2, w3, status
 

@@ -19,24 +19,28 @@ Protocol:
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
     the interpreter; a wait decides to give up on a block-wide value (:func:`waited_ns` here; Lamport's
     poll on a block-wide max of its per-lane code), so its loop ends the same round in every thread. On
-    expiry the waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator broken
-    (``state[2]``, device memory) and returns; the communicator turns that into
+    expiry the waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator
+    broken (``BROKEN_BIT`` of the state word) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
     later launch, gives up at once, so a call of many rows or chunks reports after one timeout.
-  * The same outcome on every rank: a wait that passes its timeout stores its abort word
-    (``1 << 32 | epoch``) in the awaited peer's workspace, once, and waits on for a grace
-    (:func:`grace_ns`), withdrawing the word if the peer arrives then. Every kernel reads its rank's
-    abort words at its start (:func:`check_abort`); a program whose epoch a peer gave up on records
-    ``ERR_ABORTED`` and sends no flag or call tag, so no rank completes that call
-    (docs/reliability.md, "What each rank sees").
-  * Epochs advance inside the kernels: each program reads the epoch and takes a ticket from a start
-    counter in one atomic when it starts; the program with the last ticket resets the counter and
-    advances the epoch when it ends (a launch of one program reads and stores the epoch directly).
-    Every other program has read the epoch before that program's ticket, and the next launch on the
-    stream sees the new value, so a launch of any grid size advances the epoch exactly once. With
-    programmatic dependent launch the next launch's programs may start early, but they read the epoch
-    only after ``griddepcontrol.wait`` (:func:`start_program`), which returns once this launch has
-    finished.
+  * The state word (int64, the first word of a rank's abort region, ``Workspace.state``) holds the
+    epoch (bits 0-31), the start counter (bits 32-47), ``BROKEN_BIT`` and ``NOTIFIED_BIT``; a program
+    reads all of it in the one atomic that takes its start ticket (:func:`start_program`), so the
+    broken flag and the abort check below cost no memory access of their own on a call that succeeds.
+  * The same outcome on every rank: a wait of program ``p`` that passes its timeout stores its abort
+    word (``1 << 32 | epoch``) in the awaited peer's word for (``p``, this rank), once, sets the peer's
+    ``NOTIFIED_BIT`` (it stays set), and waits on for a grace (:func:`grace_ns`), withdrawing the word
+    if the peer arrives then. A program that finds ``NOTIFIED_BIT`` in its state word reads its own
+    abort words (:func:`check_abort`); one whose epoch a peer gave up on records ``ERR_ABORTED`` and
+    sends no flag or call tag, so no rank completes that call (docs/reliability.md, "What each rank
+    sees").
+  * Epochs advance inside the kernels: each program reads the state word and takes a ticket from the
+    start counter in one atomic when it starts; the program with the last ticket resets the counter and
+    advances the epoch in one atomic when it ends, whose result nothing waits for. Every other program
+    has read the epoch before that program's ticket, and the next launch on the stream sees the new
+    value, so a launch of any grid size advances the epoch exactly once. With programmatic dependent
+    launch the next launch's programs may start early, but they read the state word only after
+    ``griddepcontrol.wait`` (:func:`start_program`), which returns once this launch has finished.
 """
 
 import time
@@ -56,6 +60,14 @@ ERR_TIMEOUT = tl.constexpr(TIMEOUT_CODE)
 ERR_MISMATCH = tl.constexpr(MISMATCH_CODE)
 #: Error code written when a peer gave up waiting for this rank at this call's epoch (abort word).
 ERR_ABORTED = tl.constexpr(ABORTED_CODE)
+
+#: The state word (module docstring): one start ticket, the flag set when a wait of this rank expired,
+#: the flag a peer sets when it stores an abort word here (host-side values, then the kernels').
+COUNTER_UNIT, BROKEN_FLAG, NOTIFIED_FLAG = 1 << 32, 1 << 48, 1 << 49
+#: Bits of the state word above the epoch that hold the start counter (``(word >> 32) & COUNTER_BITS``).
+COUNTER_BITS = tl.constexpr(0xFFFF)
+BROKEN_BIT = tl.constexpr(BROKEN_FLAG)
+NOTIFIED_BIT = tl.constexpr(NOTIFIED_FLAG)
 
 
 def call_signature(*fields) -> int:
@@ -171,46 +183,61 @@ def abort_word(epoch):
 
 
 @triton.jit
-def store_abort(table_entry_ptr, abort_idx, value):
-    """Store ``value`` (:func:`abort_word`, or 0 to withdraw it) into the peer whose base address is at
-    ``table_entry_ptr`` (an entry of an int64 address table), ``abort_idx`` int64 elements from that
-    base (its abort word for this rank). Only on a wait's slow path: the table entry is loaded here.
-    A wait that stored the word and then saw the peer arrive within the grace withdraws it (the peer's
-    check for this epoch has run by then), so a stale word never matches a later epoch of the same low
-    32 bits."""
-    base = tl.load(table_entry_ptr).to(tl.pointer_type(tl.int64))
-    tl.store(base + abort_idx, value)
+def abort_index(abort_off, program, rank, WORLD: tl.constexpr):
+    """int64 elements from a peer's table base to the abort word that ``program`` of ``rank`` stores in
+    it: word ``[program][rank]`` after the peer's state word, which is ``abort_off`` elements on
+    (``Workspace.abort_offset``)."""
+    return abort_off + 1 + program * WORLD + rank
 
 
 @triton.jit
-def check_abort(abort_ptr, rank, epoch, program, signature, err_ptr, state_ptr, timeout, WORLD: tl.constexpr):
-    """Whether this rank may take part in the call of ``epoch``: False when a peer ``q`` gave up
-    waiting for this rank at this epoch (its abort word ``abort_ptr[q]``, in this rank's workspace,
-    holds :func:`abort_word` of ``epoch``), after recording ``ERR_ABORTED`` naming ``q`` (not when
-    ``timeout``, :func:`launch_timeout`'s, is 0: the error recorded first stays). A program
-    that may not take part sends no flag or call tag, so no peer completes the call either (docs/
-    reliability.md, "What each rank sees"). ``abort_ptr`` is a kernel argument, so the loads issue
-    with the epoch's, at the program's start."""
-    want = abort_word(epoch)
+def store_abort(table_entry_ptr, abort_off, abort_idx, value):
+    """Store ``value`` (:func:`abort_word`, or 0 to withdraw it) into the peer whose base address is at
+    ``table_entry_ptr`` (an entry of an int64 address table), ``abort_idx`` int64 elements from that
+    base (:func:`abort_index`); with a word, then set ``NOTIFIED_BIT`` in the peer's state word
+    (``abort_off`` elements on; a release, after the word) so that its programs read their words. Only
+    on a wait's slow path: the table entry is loaded here. A wait that stored the word and then saw the
+    peer arrive within the grace withdraws it (the peer's check for this epoch has run by then), so a
+    stale word never matches a later epoch of the same low 32 bits; the bit stays."""
+    base = tl.load(table_entry_ptr).to(tl.pointer_type(tl.int64))
+    tl.store(base + abort_idx, value)
+    if value != 0:
+        tl.atomic_or(base + abort_off, NOTIFIED_BIT, sem="release", scope="sys")
+
+
+@triton.jit
+def check_abort(state_ptr, word, rank, epoch, program, signature, err_ptr, timeout, WORLD: tl.constexpr):
+    """Whether this rank's ``program`` may take part in the call of ``epoch``: False when a peer ``q``
+    gave up waiting for it at this epoch (word ``[program][q]`` after the state word ``state_ptr``, in
+    this rank's workspace, holds :func:`abort_word` of ``epoch``), after recording ``ERR_ABORTED``
+    naming ``q`` (not when ``timeout``, :func:`launch_timeout`'s, is 0: the error recorded first
+    stays). The words are read only when ``word`` (:func:`start_program`'s state word) has
+    ``NOTIFIED_BIT``: a rank no peer ever gave up on reads nothing here. A program that may not take
+    part sends no flag or call tag, so no peer completes the call either (docs/reliability.md, "What
+    each rank sees")."""
     aborter = epoch * 0 - 1
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            # an atomic read: one value for every thread of the program (a plain load is each thread's own,
-            # and a word landing meanwhile would split the program at the barriers that follow)
-            word = tl.atomic_add(abort_ptr + q, 0, sem="relaxed", scope="gpu")
-            aborter = tl.where(word == want, q, aborter)
-    if (aborter >= 0) & (timeout > 0):
-        record_error(err_ptr, state_ptr, ERR_ABORTED, aborter, epoch, program, signature)
+    if (word & NOTIFIED_BIT) != 0:
+        want = abort_word(epoch)
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                # an atomic read: one value for every thread of the program (a plain load is each thread's
+                # own, and a word landing meanwhile would split the program at the barriers that follow)
+                seen = tl.atomic_add(state_ptr + 1 + program * WORLD + q, 0, sem="relaxed", scope="sys")
+                aborter = tl.where(seen == want, q, aborter)
+        if (aborter >= 0) & (timeout > 0):
+            record_error(err_ptr, state_ptr, ERR_ABORTED, aborter, epoch, program, signature)
     return aborter < 0
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr, abort_at, abort_idx):
+def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr, abort_at, abort_off,
+              abort_idx):
     """Spin until the low 32 bits of ``*flag_ptr`` equal ``epoch`` (acquire, system scope), at most
     ``timeout`` nanoseconds, then check the signature.
 
     Returns True when the peer arrived with this call's signature. Once ``timeout`` has passed, stores
-    this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_idx``) and goes on
+    this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_off``, ``abort_idx``)
+    and goes on
     for :func:`grace_ns` (so it waits at most ``timeout`` plus the grace): a peer that arrives within it
     completes the call with this rank, and the word is withdrawn. On expiry
     records ``ERR_TIMEOUT``, on another signature ``ERR_MISMATCH`` (:func:`record_error`; neither when
@@ -237,11 +264,11 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
         if rounds % CLOCK_EVERY == 0:
             waited = waited_ns(start)
             if (waited >= timeout) & (told == 0) & (timeout > 0):  # the slow path: tell the peer, once
-                store_abort(abort_at, abort_idx, abort_word(epoch))
+                store_abort(abort_at, abort_off, abort_idx, abort_word(epoch))
                 told = timeout * 0 + 1
     arrived = (seen & 0xFFFFFFFF) == want
     if arrived & (told != 0):  # arrived within the grace: withdraw the word
-        store_abort(abort_at, abort_idx, epoch.to(tl.int64) * 0)
+        store_abort(abort_at, abort_off, abort_idx, epoch.to(tl.int64) * 0)
     same_call = (seen >> 32) == signature.to(tl.int64)
     if not arrived:
         if timeout > 0:  # a wait that gave up at once follows an error already recorded: keep that one
@@ -268,13 +295,13 @@ def wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeou
                abort_off, WORLD: tl.constexpr):
     """Wait for the same program of every peer to signal this phase, then a program-wide barrier (so no
     thread reads before the wait). Returns the timeout left for later waits: ``timeout``, or 0 once a
-    wait failed. ``abort_off``: int64 elements from a rank's signal pad to its abort words
+    wait failed. ``abort_off``: int64 elements from a rank's signal pad to its state word
     (``Workspace.abort_offset("flag")``)."""
     own = peer_ptr(flag_table_ptr, rank, tl.int64) + flag_off
     for q in tl.static_range(WORLD):
         if q != rank:
             ok = wait_flag(own + q, epoch, signature, q, program, timeout, err_ptr, state_ptr,
-                           flag_table_ptr + q, abort_off + rank)
+                           flag_table_ptr + q, abort_off, abort_index(abort_off, program, rank, WORLD))
             timeout = tl.where(ok, timeout, 0)
     tl.debug_barrier()
     return timeout
@@ -295,13 +322,13 @@ def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, ti
 @triton.jit
 def record_error(err_ptr, state_ptr, code, peer, epoch, program, signature):
     """Write ``(code, peer, epoch, program, signature)`` to the error words (the signature names the call
-    that failed, graph replays included) and mark the state broken."""
+    that failed, graph replays included) and set ``BROKEN_BIT`` in the state word."""
     tl.store(err_ptr + 1, peer)
     tl.store(err_ptr + 2, epoch)
     tl.store(err_ptr + 3, program)
     tl.store(err_ptr + 4, signature)
     tl.store(err_ptr, code)
-    tl.store(state_ptr + 2, 1)
+    tl.atomic_or(state_ptr, BROKEN_BIT, sem="relaxed", scope="sys")
 
 
 @triton.jit
@@ -311,27 +338,23 @@ def record_timeout(err_ptr, state_ptr, peer, epoch, program, signature):
 
 
 @triton.jit
-def launch_timeout(state_ptr, timeout):
+def launch_timeout(word, timeout):
     """``timeout`` as int64 (Triton passes a small one as a 32-bit argument, and the waits add the grace
-    to it), or 0 when an earlier wait of this communicator expired (``state[2]``, read with an atomic so
-    that every thread of the program sees the same value)."""
-    broken = tl.atomic_add(state_ptr + 2, 0, sem="relaxed", scope="gpu")
-    return tl.where(broken != 0, 0, timeout.to(tl.int64))
+    to it), or 0 when an earlier wait of this communicator expired (``BROKEN_BIT`` of ``word``,
+    :func:`start_program`'s state word: the same value in every thread of the program)."""
+    return tl.where((word & BROKEN_BIT) != 0, 0, timeout.to(tl.int64))
 
 
 @triton.jit
 def start_program(state_ptr, num_programs, PDL: tl.constexpr):
-    """``(epoch, ticket)`` of this program: the epoch of this launch (``state[0]``), read once at the
-    program's start as every kernel's first global memory access, and this program's place in the order
-    the programs started (``0 .. num_programs - 1``; :func:`finish_program` lets the last one advance the
-    epoch).
-
-    A launch of several programs reads both with one 64-bit ``atomic_add`` of ``1 << 32`` on
-    ``state[0:2]`` (the epoch in the low word, the start counter in the high word): the epoch a program
-    uses and its ticket come from the same read, so the last starter sees every other program's read
-    before its own. The atomic's round trip overlaps the start of the program's work instead of
-    following its end (docs/benchmarks.md, "Decode kernels"). A launch of one program reads the epoch
-    with a plain load (ticket 0).
+    """``(epoch, ticket, word)`` of this program: the epoch of this launch, this program's place in the
+    order the programs started (``0 .. num_programs - 1``; :func:`finish_program` lets the last one
+    advance the epoch), and the whole state word (its flags: :func:`launch_timeout`,
+    :func:`check_abort`). All three come from one 64-bit ``atomic_add`` of one start ticket on the
+    state word at ``state_ptr``, every kernel's first global memory access: the epoch a program uses and
+    its ticket come from the same read, so the last starter sees every other program's read before its
+    own, and every thread of the program gets the same value. The atomic's round trip overlaps the
+    start of the program's work instead of following its end (docs/benchmarks.md, "Decode kernels").
 
     With ``PDL`` (the launch carries programmatic dependent launch, ``Workspace.pdl``): first wait until
     the previous kernel on the stream has finished and its writes are visible (``griddepcontrol.wait``:
@@ -342,24 +365,21 @@ def start_program(state_ptr, num_programs, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    if num_programs == 1:
-        epoch = tl.load(state_ptr, volatile=True)
-        ticket = num_programs - 1
-    else:
-        word = tl.atomic_add(state_ptr.to(tl.pointer_type(tl.int64)), 1 << 32, sem="relaxed", scope="gpu")
-        epoch = word.to(tl.int32)
-        ticket = (word >> 32).to(tl.int32)
-    return epoch, ticket
+    word = tl.atomic_add(state_ptr, 1 << 32, sem="relaxed", scope="sys")
+    epoch = word.to(tl.int32)
+    ticket = ((word >> 32) & COUNTER_BITS).to(tl.int32)
+    return epoch, ticket, word
 
 
 @triton.jit
 def finish_program(state_ptr, epoch, ticket, num_programs):
     """The end of a program that :func:`start_program` gave ``(epoch, ticket)``: the last program to
-    start resets the start counter and advances the epoch, with plain stores (no round trip to memory
-    at the end of the call). Every other program of the launch has read the epoch by then (its ticket
-    came before), no program reads it again, and the next launch on the stream sees both stores at the
-    kernel boundary (after ``griddepcontrol.wait`` with PDL), so a launch of any grid size advances the
-    epoch exactly once."""
+    start resets the start counter and advances the epoch (mod 2**32, no carry into the counter) in one
+    ``atomic_add`` whose result nothing waits for, leaving the flags as they are. Every other program of
+    the launch has read the epoch by then (its ticket came before), no program reads it again, and the
+    next launch on the stream sees the new word at the kernel boundary (after ``griddepcontrol.wait``
+    with PDL), so a launch of any grid size advances the epoch exactly once."""
     if ticket == num_programs - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, epoch + 1)
+        delta = 1 - (num_programs.to(tl.int64) << 32)
+        delta = tl.where(epoch == -1, delta - (1 << 32), delta)  # 0xFFFFFFFF + 1 carries: take it back
+        tl.atomic_add(state_ptr, delta, sem="relaxed", scope="sys")
