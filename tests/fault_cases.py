@@ -211,3 +211,34 @@ def fault_batch(ctx, runs: list[tuple[str, str | None]], timeout_s: float) -> di
     with new_communicator(timeout_s=timeout_s) as fresh:
         results["after"] = _call(fresh, ctx.rank, ctx.world_size, 7200, "fused", (2, 64), BF16)
     return results
+
+
+def killed_rank(rank: int, world_size: int, out_dir: str, timeout_s: float) -> int:
+    """A :func:`tpcomm.launch.launch` body: every rank makes one call together, then the last rank is
+    killed (``SIGKILL``: no handler, no atexit) and every other rank makes the next call. Each survivor
+    writes what that call raised (type, op, epoch, peer, rank, seconds) to ``out_dir/rank<r>.json``: the
+    killed rank's exit makes ``launch`` raise, so nothing comes back as a return value."""
+    import json
+    import os
+    import signal
+
+    comm = tpcomm.Communicator(timeout_s=timeout_s)
+    x = torch.ones(2, 64, dtype=BF16)
+    warm = bool((comm.all_reduce(x) == world_size).all())
+    epoch = comm.workspace.epoch()
+    dist.barrier()
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # the killed rank is gone before the call
+    seen = {"type": None, "warm": warm, "epoch_before": epoch}
+    t0 = time.perf_counter()
+    try:
+        comm.all_reduce(x)
+        comm.check()
+    except tpcomm.PeerTimeoutError as e:
+        seen.update(type=type(e).__name__, op=e.op, epoch=e.epoch, peer=e.peer, rank=e.rank, message=str(e))
+    seen["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    comm.close()
+    return rank

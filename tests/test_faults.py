@@ -132,3 +132,31 @@ def test_every_rank_fails_the_same_call(order_faults, world, fault, algo):
     for r, ranks in enumerate(order_faults[world]):
         check.that(not ranks["after"], f"rank {r}: a new communicator's fused call: {ranks['after']}")
     check.done()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_killed_rank_is_named_by_every_survivor(tmp_path, world):
+    """The last rank is killed after a call every rank made; every other rank's next call raises
+    PeerTimeoutError naming it, at the next epoch, within the timeout, the grace and a margin
+    (docs/reliability.md, "What each rank sees")."""
+    import json
+
+    from tpcomm.launch import RankFailure, launch
+
+    with pytest.raises(RankFailure):
+        launch(fault_cases.killed_rank, world, "cpu", args=(str(tmp_path), TIMEOUT_S), timeout_s=240)
+    check = Checks()
+    for r in range(world - 1):
+        path = tmp_path / f"rank{r}.json"
+        if not path.exists():
+            check.that(False, f"rank {r}: wrote no result")
+            continue
+        seen = json.loads(path.read_text())
+        check.that(seen["warm"], f"rank {r}: the call every rank made first was wrong")
+        got = (seen["type"], seen.get("op"), seen.get("epoch"), seen.get("peer"), seen.get("rank"))
+        want = ("PeerTimeoutError", "all_reduce", seen["epoch_before"], world - 1, r)
+        check.that(got == want, f"rank {r}: (type, op, epoch, peer, rank) {got}, expected {want}: "
+                                f"{seen.get('message')}")
+        check.that(seen["seconds"] < 2 * TIMEOUT_S + MARGIN_S,
+                   f"rank {r}: took {seen['seconds']:.2f} s to raise (timeout {TIMEOUT_S} s and its grace)")
+    check.done()
