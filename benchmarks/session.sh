@@ -26,6 +26,9 @@
 #   bash benchmarks/session.sh decode6   # ONE GPU (carry [".old2", ".whl"]): the loopback fault tests and graph
 #                                        # replays, then the decode bench (6144, 1-64 tokens, with TRT-LLM) of
 #                                        # this tree, of .old2/ and of this tree again
+#   bash benchmarks/session.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
+#                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
+#                                        # loopback ranks, then the loopback GPU tests
 #   bash benchmarks/session.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
 #                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
@@ -196,6 +199,15 @@ decode6)
             echo "bench-$run rc=$?" >> $W/summary.txt
         fi
     done ;;
+model)
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl
+    for m in llama gemma; do
+        PYTHONPATH=.:$site timeout 150 python3 -m tpcomm demo --model $m --device cuda > $W/demo-$m.log 2>&1
+        echo "demo-$m rc=$?" >> $W/summary.txt; tail -4 $W/demo-$m.log >> $W/summary.txt
+    done
+    timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py --durations=5 \
+        > $W/loopback_tests.log 2>&1
+    echo "loopback_tests rc=$?" >> $W/summary.txt; tail -3 $W/loopback_tests.log >> $W/summary.txt ;;
 decode2)
     for n in 25 200; do
         timeout 80 python3 benchmarks/host_loopback.py --calls $n --rounds 5 --out $W/host_loopback_$n.json \
@@ -209,7 +221,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|model"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"

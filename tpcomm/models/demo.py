@@ -15,7 +15,10 @@ again: prefill of the prompt and ``steps`` decode steps with the KV cache (``mod
   every rank).
 
 Prints a table; exit 1 on a mismatch. CPU ranks run the kernels under Triton's interpreter; GPUs run
-eagerly (CUDA graphs of this loop are not captured here).
+eagerly (CUDA graphs of this loop are not captured here). On a machine with one GPU the ranks are
+loopback ranks (:mod:`tpcomm.loopback`, :func:`run_loopback`): each rank's shard generates in its own
+thread on its own stream, so that one rank's host synchronisation inside ``generate`` never keeps its
+peers' launches back.
 """
 
 from __future__ import annotations
@@ -115,13 +118,76 @@ def run_rank(rank: int, world_size: int, cfg: ModelDemoConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     same_on_ranks = all(torch.equal(t, gathered[0]) for t in gathered)
+    return _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks, kernels, cfg.steps, t_ref, t_tp)
+
+
+def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels: bool, steps: int,
+            seconds_ref: float, seconds_tp: float) -> dict:
+    """One rank's row of the report."""
     agree = int((tokens == ref_tokens).long().cumprod(0).sum())  # steps equal before the first difference
     # logits are comparable up to and including the first step that differs (the same prefix before it)
-    upto = min(agree + 1, cfg.steps)
+    upto = min(agree + 1, steps)
     return dict(tokens=tokens.tolist(), ref_tokens=ref_tokens.tolist(), same_on_ranks=same_on_ranks,
                 steps_agree=agree, first_diff=agree,
                 logit_error=float((logits[:upto] - ref_logits[:upto]).abs().max()),
-                logit_scale=float(ref_logits.abs().max()), kernels=kernels, seconds_ref=t_ref, seconds_tp=t_tp)
+                logit_scale=float(ref_logits.abs().max()), kernels=kernels, seconds_ref=seconds_ref,
+                seconds_tp=seconds_tp)
+
+
+def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0) -> list[dict]:
+    """The reference, then the tensor-parallel run on ``world_size`` loopback ranks of the current GPU
+    (:func:`tpcomm.loopback.loopback_group`), each rank's shard generating in its own thread on the
+    rank's stream (the current stream is per thread). Returns :func:`run_rank`'s rows, in rank order.
+
+    Raises:
+        RuntimeError: a rank's thread raised (its exception is chained).
+    """
+    import threading
+
+    from ..loopback import close_group, loopback_group
+    from .hf import shard
+
+    model = make_model(cfg)
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=g).to(device)
+    t0 = time.perf_counter()
+    ref_tokens, ref_logits = greedy(model, prompt, cfg.steps)
+    t_ref = time.perf_counter() - t0
+    ranks = loopback_group(world_size, device, timeout_s=timeout_s)
+    try:
+        shards = [shard(model, rank) for rank in ranks]
+        torch.cuda.synchronize(device)
+        outs: list = [None] * world_size
+        errors: list = [None] * world_size
+
+        def work(i: int) -> None:
+            try:
+                with torch.cuda.stream(ranks[i].stream):
+                    t = time.perf_counter()
+                    tokens, logits = greedy(shards[i], prompt, cfg.steps)
+                    ranks[i].stream.synchronize()
+                    outs[i] = (tokens.cpu(), logits.cpu(), time.perf_counter() - t)
+            except BaseException as e:  # noqa: BLE001 -- re-raised in the calling thread
+                errors[i] = e
+
+        threads = [threading.Thread(target=work, args=(i,), name=f"tpcomm-rank{i}") for i in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, e in enumerate(errors):
+            if e is not None:
+                raise RuntimeError(f"loopback rank {i} failed: {type(e).__name__}: {e}") from e
+        kernels = all(rank.uses_kernels for rank in ranks)
+        for rank in ranks:
+            rank.check()
+    finally:
+        torch.cuda.synchronize(device)
+        close_group(ranks)
+    same = all(torch.equal(o[0], outs[0][0]) for o in outs)
+    return [_result(tokens, logits, ref_tokens.cpu(), ref_logits.cpu(), same, kernels, cfg.steps, t_ref, t_tp)
+            for tokens, logits, t_tp in outs]
 
 
 def verdict(cfg: ModelDemoConfig, per_rank: list[dict]) -> tuple[bool, list[str]]:
@@ -151,19 +217,21 @@ def main(model: str = "llama", device: str | None = None, world_size: int | None
         return 2
     device = device or default_device()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and gpus < 2:
-        print(f"tpcomm demo --model: --device cuda needs at least 2 GPUs; this machine has {gpus}. Use --device cpu.")
+    if device == "cuda" and gpus < 1:
+        print("tpcomm demo --model: --device cuda needs a GPU; this machine has none. Use --device cpu.")
         return 2
-    world_size = world_size or (gpus if device == "cuda" else 2)
+    loopback = device == "cuda" and gpus == 1  # one GPU: loopback ranks (run_loopback)
+    world_size = world_size or (gpus if device == "cuda" and not loopback else 2)
     results = []
     for dt in ((dtype,) if dtype else ("float32", "bfloat16")):
         cfg = sized(ModelDemoConfig(model=model, device=device, dtype=dt, steps=steps), world_size)
-        print(f"tpcomm demo --model {model}: {world_size} {device} ranks, {cfg.layers} layers, hidden {cfg.hidden}, "
+        kind = "loopback ranks on one GPU" if loopback else f"{device} ranks"
+        print(f"tpcomm demo --model {model}: {world_size} {kind}, {cfg.layers} layers, hidden {cfg.hidden}, "
               f"{cfg.heads} heads ({cfg.kv_heads} KV), vocab {cfg.vocab}, {dt}, prompt {cfg.prompt}, "
               f"{cfg.steps} greedy steps", flush=True)
         try:
-            per_rank = launch(run_rank, world_size, device, args=(cfg,))
-        except RankFailure as e:
+            per_rank = run_loopback(world_size, cfg) if loopback else launch(run_rank, world_size, device, args=(cfg,))
+        except (RankFailure, RuntimeError) as e:
             print(f"tpcomm demo --model: a rank failed:\n{e}")
             return 1
         ok, why = verdict(cfg, per_rank)
