@@ -41,3 +41,21 @@ def test_one_forward_pass_matches_and_leaves_the_model_whole(pool2, model):
 def test_a_model_that_does_not_divide_is_refused(pool2, what, word):
     for r, res in enumerate(pool2.run(model_cases.refused_case, what)):
         assert res is not None and res[0] == "ShardingError" and word in res[1], f"rank {r}: {res}"
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_the_lockstep_loop_decodes_as_generate_does(model):
+    """The loop that decodes loopback ranks one step at a time (``models.demo._lockstep``, with no host
+    read inside a step) gives the unsharded model's tokens and logits of ``generate``, KV cache and
+    Gemma's sliding window included."""
+    import torch
+
+    from tpcomm.models import demo
+
+    cfg = demo.sized(demo.ModelDemoConfig(model=model, device="cpu", dtype="float32", steps=6), 2)
+    m = demo.make_model(cfg)
+    prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=torch.Generator().manual_seed(1))
+    tokens, logits = demo.greedy(m, prompt, cfg.steps)
+    [(lt, ll)] = demo._lockstep([m], prompt, cfg.steps, lambda step: step(0))
+    assert torch.equal(lt, tokens), f"lockstep tokens {lt.tolist()}, generate's {tokens.tolist()}"
+    assert torch.allclose(ll, logits, rtol=0, atol=1e-5), float((ll - logits).abs().max())

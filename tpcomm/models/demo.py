@@ -16,9 +16,9 @@ again: prefill of the prompt and ``steps`` decode steps with the KV cache (``mod
 
 Prints a table; exit 1 on a mismatch. CPU ranks run the kernels under Triton's interpreter; GPUs run
 eagerly (CUDA graphs of this loop are not captured here). On a machine with one GPU the ranks are
-loopback ranks (:mod:`tpcomm.loopback`, :func:`run_loopback`): each rank's shard generates in its own
-thread on its own stream, so that one rank's host synchronisation inside ``generate`` never keeps its
-peers' launches back.
+loopback ranks (:mod:`tpcomm.loopback`, :func:`run_loopback`): one thread issues each step for every
+rank in turn, with a loop of the model's forward that reads nothing back to the host (``generate``
+does, each step, which would hold the peers' launches back while a rank's kernel waits for them).
 """
 
 from __future__ import annotations
@@ -134,17 +134,50 @@ def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels
                 seconds_tp=seconds_tp)
 
 
+def _lockstep(models: list, prompt: torch.Tensor, steps: int, issue) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy decoding of every model in ``models`` with the KV cache, one step of all of them at a time:
+    ``issue(fn)`` runs ``fn(i)`` for every model ``i`` (:func:`tpcomm.loopback.run_ranks` for loopback
+    ranks), and a step reads nothing back to the host, so no rank's launches wait for the host while a
+    peer's kernel waits for them. Returns ``(tokens (steps,), logits (steps, vocab) float32)`` per model.
+    No logits processor: unlike ``generate(min_new_tokens=...)`` the end-of-sequence token may win a
+    step, in the reference and in the shards alike."""
+    state = [(prompt, None) for _ in models]
+    tokens: list[list] = [[] for _ in models]
+    logits: list[list] = [[] for _ in models]
+
+    import inspect
+
+    # the KV cache's argument and output: ``cache`` in recent transformers, ``past_key_values`` before
+    name = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
+
+    def step(i: int) -> None:
+        ids, cache = state[i]
+        out = models[i](input_ids=ids, use_cache=True, **{name: cache})
+        lg = out.logits[:, -1].float()
+        tok = lg.argmax(-1, keepdim=True)
+        state[i] = (tok, out[name])
+        tokens[i].append(tok)
+        logits[i].append(lg)
+
+    with torch.inference_mode():
+        for _ in range(steps):
+            issue(step)
+    if prompt.is_cuda:
+        torch.cuda.synchronize(prompt.device)
+    return [(torch.cat(t, 1)[0].cpu(), torch.cat(lg, 0).cpu()) for t, lg in zip(tokens, logits)]
+
+
 def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0) -> list[dict]:
     """The reference, then the tensor-parallel run on ``world_size`` loopback ranks of the current GPU
-    (:func:`tpcomm.loopback.loopback_group`), each rank's shard generating in its own thread on the
-    rank's stream (the current stream is per thread). Returns :func:`run_rank`'s rows, in rank order.
+    (:func:`tpcomm.loopback.loopback_group`): prefill and decode steps issued for every rank in turn
+    (:func:`_lockstep`, the same loop for the reference). Returns :func:`run_rank`'s rows, in rank
+    order.
 
     Raises:
-        RuntimeError: a rank's thread raised (its exception is chained).
+        PeerTimeoutError: a rank's kernel waited past ``timeout_s`` (a host read inside the model's
+            forward would hold its peers' launches back).
     """
-    import threading
-
-    from ..loopback import close_group, loopback_group
+    from ..loopback import close_group, loopback_group, run_ranks
     from .hf import shard
 
     model = make_model(cfg)
@@ -152,33 +185,15 @@ def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=g).to(device)
     t0 = time.perf_counter()
-    ref_tokens, ref_logits = greedy(model, prompt, cfg.steps)
+    [(ref_tokens, ref_logits)] = _lockstep([model], prompt, cfg.steps, lambda fn: fn(0))
     t_ref = time.perf_counter() - t0
     ranks = loopback_group(world_size, device, timeout_s=timeout_s)
     try:
         shards = [shard(model, rank) for rank in ranks]
         torch.cuda.synchronize(device)
-        outs: list = [None] * world_size
-        errors: list = [None] * world_size
-
-        def work(i: int) -> None:
-            try:
-                with torch.cuda.stream(ranks[i].stream):
-                    t = time.perf_counter()
-                    tokens, logits = greedy(shards[i], prompt, cfg.steps)
-                    ranks[i].stream.synchronize()
-                    outs[i] = (tokens.cpu(), logits.cpu(), time.perf_counter() - t)
-            except BaseException as e:  # noqa: BLE001 -- re-raised in the calling thread
-                errors[i] = e
-
-        threads = [threading.Thread(target=work, args=(i,), name=f"tpcomm-rank{i}") for i in range(world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for i, e in enumerate(errors):
-            if e is not None:
-                raise RuntimeError(f"loopback rank {i} failed: {type(e).__name__}: {e}") from e
+        t0 = time.perf_counter()
+        outs = _lockstep(shards, prompt, cfg.steps, lambda fn: run_ranks(ranks, lambda rank: fn(rank.rank)))
+        t_tp = time.perf_counter() - t0
         kernels = all(rank.uses_kernels for rank in ranks)
         for rank in ranks:
             rank.check()
@@ -186,8 +201,8 @@ def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0)
         torch.cuda.synchronize(device)
         close_group(ranks)
     same = all(torch.equal(o[0], outs[0][0]) for o in outs)
-    return [_result(tokens, logits, ref_tokens.cpu(), ref_logits.cpu(), same, kernels, cfg.steps, t_ref, t_tp)
-            for tokens, logits, t_tp in outs]
+    return [_result(tokens, logits, ref_tokens, ref_logits, same, kernels, cfg.steps, t_ref, t_tp)
+            for tokens, logits in outs]
 
 
 def verdict(cfg: ModelDemoConfig, per_rank: list[dict]) -> tuple[bool, list[str]]:
