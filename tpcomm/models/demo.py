@@ -134,6 +134,22 @@ def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels
                 seconds_tp=seconds_tp)
 
 
+def _ready_cache(model, device: torch.device):
+    """A KV cache for ``model`` whose layers are initialised already: a layer's first update otherwise
+    copies a host scalar to the device (Gemma's sliding-window layers), and such a copy waits for the
+    stream, which then holds a tpcomm kernel waiting for peers whose launches this thread has not issued
+    yet."""
+    import transformers
+
+    cache = transformers.DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for layer in getattr(cache, "layers", ()):
+        if hasattr(layer, "lazy_initialization") and not layer.is_initialized:
+            empty = torch.empty(0, dtype=dtype, device=device)
+            layer.lazy_initialization(empty, empty)
+    return cache
+
+
 def _lockstep(models: list, prompt: torch.Tensor, steps: int, issue) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Greedy decoding of every model in ``models`` with the KV cache, one step of all of them at a time:
     ``issue(fn)`` runs ``fn(i)`` for every model ``i`` (:func:`tpcomm.loopback.run_ranks` for loopback
@@ -141,7 +157,7 @@ def _lockstep(models: list, prompt: torch.Tensor, steps: int, issue) -> list[tup
     peer's kernel waits for them. Returns ``(tokens (steps,), logits (steps, vocab) float32)`` per model.
     No logits processor: unlike ``generate(min_new_tokens=...)`` the end-of-sequence token may win a
     step, in the reference and in the shards alike."""
-    state = [(prompt, None) for _ in models]
+    state = [(prompt, _ready_cache(m, prompt.device)) for m in models]
     tokens: list[list] = [[] for _ in models]
     logits: list[list] = [[] for _ in models]
 
