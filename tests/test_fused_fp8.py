@@ -1,12 +1,14 @@
 """Fused FP8 output of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (issue 4; docs/numerics.md numerics
-contract item 4) on CPU ranks (world sizes 2 and 3, Triton's interpreter).
+contract item 4, and "Quantised output forms" for ``fp8_per_group_ue8m0`` and ``fp8_static``) on CPU ranks
+(world sizes 2 and 3, Triton's interpreter).
 
 For every case: the FP8 bytes and the scale bits equal the standalone Triton quant (``tpcomm.quant``) and
 the plain-torch quant (``tpcomm.reference``) of the unquantised ``out`` (of the same call when it is
 emitted, and of the same call without ``quant``); the emitted ``out`` and ``residual_out`` equal the
 call without ``quant`` bit for bit; every rank holds the same bytes; dequantised values lie within one
 FP8 step of the float32 reference; and the scale rules hold (zeros: scale 1; a NaN: scale NaN and NaN
-bytes; the row's (group's) amax: byte +-MAX).
+bytes; the row's (group's) amax: byte +-MAX). The static form returns its input scale as the scales,
+and its bytes equal ``static_quant_fp8`` and ``static_fp8_quant_reference`` of ``out``.
 
 The interpreter is slow, so the dimensions (algorithm, dtype, format, per-token / per-group / column-major,
 residual, Gemma, emit_unquantized, world size) are covered by a handful of combinations in which every
@@ -29,13 +31,14 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
-TOK, GRP, UE8 = "fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0"
+TOK, GRP, UE8, STATIC = "fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static"
 
 
 def _c(seed, algo, dtype, fp8, mode, residual, gemma, emit, shape, group=32, **kw):
     """A case from a row of the tables below; ``mode`` is ``tok``, ``row`` or ``col`` (per group),
-    ``ue8`` or ``ue8col`` (per group, power-of-two scales)."""
-    quant = TOK if mode == "tok" else UE8 if mode.startswith("ue8") else GRP
+    ``ue8`` or ``ue8col`` (per group, power-of-two scales), ``static`` (pass ``scale``)."""
+    quant = (TOK if mode == "tok" else UE8 if mode.startswith("ue8") else STATIC if mode == "static"
+             else GRP)
     return Fp8Case(seed=seed, shape=shape, dtype=dtype, algo=algo, quant=quant, fp8=fp8, group=group,
                    column_major=mode.endswith("col"), residual=residual, gemma=gemma, emit=emit, **kw)
 
@@ -93,10 +96,33 @@ TINY = [
     (3, _c(35, "two_shot", FP32, FNUZ, "tok", True, False, False, (3, 96), tiny=True, eps=0.0)),
 ]
 
+#: Static per-tensor FP8 (``quant="fp8_static"``, one calibrated input scale): every algorithm at both
+#: world sizes, both formats, each scale shape; scales of 0.002 to 0.01 saturate the larger elements of
+#: ``out`` (|out| above 0.9 to 4.5 for e4m3fn) and give the small ones FP8 subnormals. Chunked calls
+#: (Lamport, whose launches take the scale pointer of their first row, and two-shot), 3-D and two-tile
+#: rows; ``repeat`` also checks repeated calls with a new scale tensor and a new value in it.
+STATIC_CASES = [
+    (3, _c(41, "lamport", BF16, FN, "static", True, False, True, (4, 64), special=True, scale=0.005, repeat=True)),
+    (2, _c(42, "lamport", FP16, FNUZ, "static", False, True, False, (3, 64), scale=0.01, scale_shape=(1,),
+           max_bytes=CHUNK_MAX_BYTES)),
+    (3, _c(43, "one_shot", FP16, FNUZ, "static", True, True, True, (4, 96), special=True, scale=0.004,
+           scale_shape=(1, 1))),
+    (2, _c(44, "one_shot", BF16, FN, "static", False, False, False, (2, 8320), peak=True, scale=0.002,
+           repeat=True)),
+    (2, _c(45, "two_shot", FP32, FN, "static", True, False, True, (3, 2, 64), scale=0.008, scale_shape=(1,),
+           repeat=True)),
+    (3, _c(46, "two_shot", BF16, FN, "static", False, False, True, (4, 64), scale=0.003,
+           max_bytes=CHUNK_MAX_BYTES)),
+    (2, _c(47, "fallback", BF16, FNUZ, "static", True, True, True, (5, 96), special=True, scale=0.006,
+           repeat=True)),
+    (3, _c(48, "fallback", FP32, FN, "static", True, False, False, (3, 64), scale=0.01, scale_shape=(1, 1))),
+]
+
 
 def case_id(world, case):
     shape = "x".join(map(str, case.shape))
-    mode = "tok" if case.quant == TOK else ("col" if case.column_major else "row") + str(case.group)
+    mode = ("tok" if case.quant == TOK else f"static{case.scale}" if case.quant == STATIC
+            else ("col" if case.column_major else "row") + str(case.group))
     flags = "".join(f for f, on in (("-res", case.residual), ("-gemma", case.gemma), ("-emit", case.emit),
                                    ("-special", case.special), ("-peak", case.peak),
                                    ("-tiny", case.tiny)) if on)
@@ -122,7 +148,26 @@ def _scales_equal(check, got, want, what):
 
 def expected_scales_shape(case):
     lead = case.shape[:-1]
+    if case.quant == STATIC:
+        return case.scale_shape
     return (*lead, 1) if case.quant == TOK else (*lead, case.shape[-1] // case.group)
+
+
+def check_static(check, p, case, res, q2):
+    """The static form's own checks: the returned scale is the input tensor; with ``repeat``, the bytes of
+    repeated calls (another scale tensor, then the same one with a new value) follow the scale given; NaN
+    bytes exactly where ``out`` is NaN and +-MAX wherever ``|out| / scale`` is past MAX; dequantised
+    values within one FP8 step of the float32 reference clamped to the range the scale covers."""
+    check.that(res["scale_is_input"], f"{p}: the returned scales are not the input scale tensor")
+    for k, (got, want) in enumerate(zip(res.get("again", []), res.get("again_ref", []))):
+        _u8_equal(check, got, want, f"{p}: repeated call {k + 1} (new scale value) vs the torch quant")
+    H = case.shape[-1]
+    for failure in fc.static_rule_failures(q2, res["plain_out"].reshape(-1, H), case.scale, case.fp8):
+        check.that(False, f"{p}: {failure}")
+    limit = torch.finfo(case.fp8).max * case.scale
+    s2 = torch.full((q2.shape[0], 1), case.scale, dtype=torch.float32)
+    failure = fc.dequantised_failure(q2, s2, res["y32"].reshape(-1, H).clamp(-limit, limit), case.fp8)
+    check.that(failure is None, f"{p}: {failure}")
 
 
 def check_fp8_case(case, results):
@@ -153,16 +198,21 @@ def check_fp8_case(case, results):
         else:
             check.that(res["ro"] is None, f"{p}: residual_out without a residual")
         q2 = res["q"].reshape(-1, H)
-        s2 = s if case.column_major else s.reshape(-1, s.shape[-1])
-        _u8_equal(check, q2, res["std_q"], f"{p}: bytes vs tpcomm.quant of out")
-        _scales_equal(check, s2, res["std_s"], f"{p}: scales vs tpcomm.quant of out")
-        _u8_equal(check, q2, res["ref_q"], f"{p}: bytes vs the torch quant of the unquantised call's out")
-        _scales_equal(check, s2, res["ref_s"],
-                      f"{p}: scales vs the torch quant of the unquantised call's out")
-        for failure in fc.scale_rule_failures(q2, s2, res["plain_out"].reshape(-1, H), case.fp8,
-                                               pow2=case.quant == UE8):
-            check.that(False, f"{p}: {failure}")
-        if not case.tiny:  # there the reference's y is +-Inf where out and the bytes are NaN
+        if case.quant == STATIC:
+            _u8_equal(check, q2, res["std_q"], f"{p}: bytes vs tpcomm.quant of out")
+            _u8_equal(check, q2, res["ref_q"], f"{p}: bytes vs the torch quant of the unquantised call's out")
+            check_static(check, p, case, res, q2)
+        s2 = s if case.column_major or case.quant == STATIC else s.reshape(-1, s.shape[-1])
+        if case.quant != STATIC:
+            _u8_equal(check, q2, res["std_q"], f"{p}: bytes vs tpcomm.quant of out")
+            _scales_equal(check, s2, res["std_s"], f"{p}: scales vs tpcomm.quant of out")
+            _u8_equal(check, q2, res["ref_q"], f"{p}: bytes vs the torch quant of the unquantised call's out")
+            _scales_equal(check, s2, res["ref_s"],
+                          f"{p}: scales vs the torch quant of the unquantised call's out")
+            for failure in fc.scale_rule_failures(q2, s2, res["plain_out"].reshape(-1, H), case.fp8,
+                                                   pow2=case.quant == UE8):
+                check.that(False, f"{p}: {failure}")
+        if not case.tiny and case.quant != STATIC:  # tiny: the reference's y is +-Inf where out and the bytes are NaN
             failure = fc.dequantised_failure(q2, s2, res["y32"], case.fp8)
             check.that(failure is None, f"{p}: {failure}")
         if "whole_q" in res:
@@ -176,7 +226,7 @@ def check_fp8_case(case, results):
     check.done()
 
 
-ALL_CASES = MATRIX + CHUNKED + WIDE + TINY
+ALL_CASES = MATRIX + CHUNKED + WIDE + TINY + STATIC_CASES
 
 
 @pytest.mark.parametrize("world,case", ALL_CASES, ids=[case_id(w, c) for w, c in ALL_CASES])
@@ -207,9 +257,30 @@ BAD = {
     "fp8_dtype_without_quant": ("fp8_dtype", ["quant", "ignored"]),
     "emit_not_bool": ("emit_unquantized", ["bool", "str"]),
     "column_major_not_bool": ("column_major_scales", ["bool", "str"]),
+    "static_without_scale": ("scale", ["fp8_static", "float32"]),
+    "static_scale_float64": ("scale", ["torch.float64", "float32"]),
+    "static_scale_bf16": ("scale", ["torch.bfloat16", "float32"]),
+    "static_scale_python_float": ("scale", ["torch.Tensor", "float"]),
+    "static_scale_two_elements": ("scale", ["one element", "(2,)"]),
+    "static_scale_empty": ("scale", ["one element", "(0,)"]),
+    "static_scale_meta": ("scale", ["meta", "cpu"]),
+    "static_scale_nan": ("scale", ["nan", "finite positive"]),
+    "static_scale_inf": ("scale", ["inf", "finite positive"]),
+    "static_scale_zero": ("scale", ["0.0", "finite positive"]),
+    "static_scale_negative": ("scale", ["-0.5", "finite positive"]),
+    "static_fp8_dtype_e5m2": ("fp8_dtype", ["float8_e5m2"]),
+    "static_group_size": ("group_size=32", ["fp8_static"]),
+    "static_column_major": ("column_major_scales", ["fp8_per_group"]),
+    "static_scales_out": ("scales_out", ["fp8_static", "input scale"]),
+    "static_q_out_is_scale": ("q_out", ["scale"]),
+    "scale_with_per_token": ("scale", ["fp8_static", "fp8_per_token"]),
+    "scale_with_per_group": ("scale", ["fp8_static", "fp8_per_group"]),
+    "scale_without_quant": ("scale", ["fp8_static", "ignored"]),
 }
-#: The names of BAD that raise TypeError (a flag that is not a bool); the rest raise ValueError.
-TYPE_ERRORS = {"emit_not_bool", "column_major_not_bool"}
+#: The names of BAD that raise TypeError (a flag that is not a bool, a static scale of another type or
+#: dtype); the rest raise ValueError.
+TYPE_ERRORS = {"emit_not_bool", "column_major_not_bool", "static_scale_float64", "static_scale_bf16",
+               "static_scale_python_float"}
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +312,12 @@ def test_bad_quant_arguments_raise_naming_the_argument(bad_inputs, name):
         (q, s), (rq, rs) = res["after"], res["after_ref"]
         _u8_equal(check, q, rq, f"rank {r}: the call after the bad ones, bytes")
         check(assert_same_bits, s, rs, f"rank {r}: the call after the bad ones, scales")
+        (q, s), (rq, rs) = res["static"], res["static_ref"]
+        _u8_equal(check, q, rq, f"rank {r}: the static call after the bad ones, bytes")
+        check(assert_same_bits, s, rs, f"rank {r}: the static call after the bad ones, its scale")
+        again = res["static_nan_again"]
+        check.that(again is not None and again[0] == "ValueError" and "scale=nan" in again[1],
+                   f"rank {r}: a repeated static call with a NaN scale raised {again}")
         (q, s), (rq, rs) = res["numpy_group"], res["numpy_group_ref"]
         _u8_equal(check, q, rq, f"rank {r}: group_size=np.int64(16), bytes")
         check(assert_same_bits, s, rs, f"rank {r}: group_size=np.int64(16), scales")
@@ -255,6 +332,7 @@ def test_zero_tokens(pool2):
         "per_group": ((0, 64), FNUZ, (0, 4), False),
         "per_group_column_major": ((0, 64), FN, (0, 2), True),
         "per_group_3d": ((2, 0, 64), FN, (2, 0, 2), False),
+        "static": ((0, 64), FN, (1,), True),
     }
     check = Checks()
     for r, res in enumerate(results):
@@ -270,4 +348,17 @@ def test_zero_tokens(pool2):
         (q, s), (rq, rs) = res["after"], res["after_ref"]
         _u8_equal(check, q, rq, f"rank {r}: the call after, bytes")
         check(assert_same_bits, s, rs, f"rank {r}: the call after, scales")
+    check.done()
+
+
+def test_static_form_through_the_ops_and_torch_compile(pool2):
+    """``quant="fp8_static"`` through ``tpcomm.ops`` (allocating and out forms), ``torch.library.opcheck``
+    of the allocating op with a scale, and ``torch.compile(fullgraph=True)``: the method's bytes, the input
+    scale returned as the scales, and a compiled call that reads the scale's current value (one frame).
+    One world size: the ops wrap the method, whose numerics the tests above cover on both."""
+    check = Checks()
+    for r, got in enumerate(pool2.run(fc.static_ops_case)):
+        for name in ("wrapper", "out_form", "opcheck", "compiled", "compiled_new_value"):
+            check.that(got[name] is True, f"rank {r}: {name}: {got[name]}")
+        check.that(got["frames"] == 1, f"rank {r}: compiled {got['frames']} frames, expected 1")
     check.done()

@@ -33,6 +33,7 @@ MAX_ENTRIES = 512
 
 _Tensor = torch.Tensor
 _E4M3 = torch.float8_e4m3fn
+_INF = float("inf")
 
 
 def new_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -176,13 +177,22 @@ def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
 
 
 def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-              emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool) -> tuple | None:
+              emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool,
+              scale=None) -> tuple | None:
+    """Key of ``fused_add_rmsnorm``; ``scale``: the input scale of ``quant='fp8_static'`` (or None)."""
     if not _tensor(x) or not _tensor(weight) or not _plain(residual):
         return None
+    if scale is not None:  # a static scale: its layout, and its 16-byte alignment on CUDA
+        if not _tensor(scale):
+            return None
+        scale_key = ("scale", scale.shape, scale.dtype, scale.stride(), scale.device,
+                     scale.data_ptr() & 15 if cuda else 0)
+    else:
+        scale_key = ()
     # which arguments are one object: the recorded slots follow that pattern
     key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.stride(), weight.device,
            eps.__class__, eps, gemma.__class__, gemma, quant, algorithm, residual is x, weight is x,
-           weight is residual)
+           weight is residual) + scale_key
     key += (None,) if residual is None else (residual.shape, residual.dtype, residual.stride(), residual.device)
     if quant is not None or fp8_dtype is not _E4M3 or group_size.__class__ is not int or group_size != 128 \
             or column_major_scales is not False or emit_unquantized is not False:
@@ -222,13 +232,17 @@ def all_reduce_hit(comm, entry: CachedCall, x, out):
     return out
 
 
-def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out):
+def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out, scale=None):
     """A repeated ``fused_add_rmsnorm``, or None: take the full path (a given output overlaps an input or
     another output). ``entry.spec``: ``(quant, emit_unquantized)``; ``entry.outputs``: out,
-    residual_out, q, scales."""
+    residual_out, q, scales (None for a static scale: ``scale``, the input, is the kernels' scales
+    argument and the returned scales). A static scale on the CPU is read, as the full path reads it: a
+    value that is not finite and positive takes the full path, which raises."""
+    if scale is not None and not scale.is_cuda and not 0.0 < float(scale.reshape(())) < _INF:
+        return None
     if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
         given = (out, None if residual_out is residual else residual_out, q_out, scales_out)
-        if not _outputs_clear(given, (x, residual, weight)):
+        if not _outputs_clear(given, (x, residual, weight, scale)):
             return None
     o, ro, qo, so = entry.outputs
     if out is None and o is not None:  # None: FP8 bytes only, out not written (the kernels take residual_out)
@@ -240,7 +254,7 @@ def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q
         comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None))
         return out, residual_out
     q = q_out if qo is None else _new(qo, x)
-    scales = scales_out if so is None else _new(so, x)
+    scales = (scale if scale is not None else scales_out) if so is None else _new(so, x)
     comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q, scales))
     return q, scales, residual_out, (out if emit else None)
 

@@ -302,6 +302,7 @@ class Communicator:
                           eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
                           fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
                           column_major_scales: bool = False, emit_unquantized: bool = False, *,
+                          scale: torch.Tensor | None = None,
                           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                           q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None):
         """All-reduce ``x``, add ``residual``, RMSNorm — in one kernel.
@@ -319,18 +320,25 @@ class Communicator:
                 float32).
             eps: >= 0, added to the mean square.
             gemma: use ``1 + w`` (Gemma-style norms).
-            quant: None, ``"fp8_per_token"``, ``"fp8_per_group"`` or ``"fp8_per_group_ue8m0"``: also
-                quantise ``out`` to FP8 in the same kernel (docs/numerics.md item 4): ``scale = amax / MAX``
-                over the row (or group) of the rounded ``out`` (1 where that is 0; with ``_ue8m0`` rounded
-                up to a power of two), ``q = fp8(out / scale)`` saturated to +-MAX; the bytes and scales
-                equal :func:`tpcomm.quant.per_token_quant_fp8` / :func:`~tpcomm.quant.per_group_quant_fp8`
-                (``ue8m0=True`` for the last form) applied to the unquantised ``out``.
+            quant: None, ``"fp8_per_token"``, ``"fp8_per_group"``, ``"fp8_per_group_ue8m0"`` or
+                ``"fp8_static"``: also quantise ``out`` to FP8 in the same kernel (docs/numerics.md item 4):
+                ``scale = amax / MAX`` over the row (or group) of the rounded ``out`` (1 where that is 0;
+                with ``_ue8m0`` rounded up to a power of two), ``q = fp8(out / scale)`` saturated to +-MAX;
+                the bytes and scales equal :func:`tpcomm.quant.per_token_quant_fp8` /
+                :func:`~tpcomm.quant.per_group_quant_fp8` (``ue8m0=True`` for the third form) applied to
+                the unquantised ``out``. ``"fp8_static"``: one calibrated ``scale`` for the whole tensor,
+                ``q = fp8(out * f32(1 / scale))`` (docs/numerics.md, "Static per-tensor FP8"), the bytes
+                of :func:`tpcomm.quant.static_quant_fp8` applied to ``out``.
             fp8_dtype: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz`` (MAX 240).
             group_size: elements per scale of the per-group forms (default 128, DeepSeek-V3's 1 x 128);
                 a power of two that divides H. Another value with ``fp8_per_token`` raises ValueError.
             column_major_scales: the per-group forms only, ``x`` 2-D: return the scales as the transpose
                 view of a contiguous ``(H / group_size, T)`` tensor (the layout grouped GEMMs read).
             emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
+            scale: with ``quant="fp8_static"`` only (and then required): float32 tensor of one element
+                (shape ``()``, ``(1,)`` or ``(1, 1)``) on this device, finite and positive; read by the
+                kernel, so a CUDA graph replays with its current value. Its value is checked on CPU
+                only (a CUDA scale is not read on the host: a bad one gives NaN or saturated bytes).
             out, residual_out: where to write ``out`` and ``residual_out`` instead of new tensors:
                 contiguous, ``x``'s shape and dtype; ``residual_out`` may be ``residual`` itself (the
                 residual updated in place, as engines call ``fused_add_rms_norm``). With ``quant``,
@@ -342,25 +350,30 @@ class Communicator:
             Without ``quant``: ``(out, residual_out)``, shaped like ``x`` (the given tensors, or new ones);
             ``residual_out`` is None without a residual. With ``quant``: ``(q, scales, residual_out,
             out)``: ``q`` shaped like ``x`` in ``fp8_dtype``; ``scales`` float32 ``(..., 1)`` per token
-            or ``(..., H / group_size)`` per group; ``out`` None unless ``emit_unquantized``. Identical
+            or ``(..., H / group_size)`` per group, ``scale`` itself (the same object) for
+            ``fp8_static``; ``out`` None unless ``emit_unquantized``. Identical
             bits on every rank, for every algorithm. Safe in CUDA graphs. Messages larger than
             ``max_bytes`` run in chunks of rows.
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
-            TypeError: ``gemma``, ``emit_unquantized`` or ``column_major_scales`` is not a bool.
+            TypeError: ``gemma``, ``emit_unquantized`` or ``column_major_scales`` is not a bool; ``scale``
+                is not a float32 tensor.
             ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device,
                 ``eps`` is negative or not finite (TypeError if it is not a number), a quant argument
-                is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``), or a
+                is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``, ``scale``
+                missing, of more than one element, on another device or, on CPU, not finite and positive,
+                ``scale`` without ``fp8_static`` or ``scales_out`` with it), or a
                 given output has the wrong shape, dtype or layout, or overlaps an input or another output.
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "fused_add_rmsnorm"
         key = call_cache.fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
                                    column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out,
-                                   self.algorithm, self._cuda)
+                                   self.algorithm, self._cuda, scale)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
-            outs = call_cache.fused_hit(self, entry, x, residual, weight, out, residual_out, q_out, scales_out)
+            outs = call_cache.fused_hit(self, entry, x, residual, weight, out, residual_out, q_out, scales_out,
+                                        scale)
             if outs is not None:
                 return outs
         self._check_open(op)
@@ -370,14 +383,14 @@ class Communicator:
         if residual is not None and residual.is_neg():
             residual = residual.resolve_neg()
         if quant is None:
-            check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized)
+            check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale)
         validate.check_fused_outputs(op, x, residual, weight, quant, emit_unquantized, out, residual_out,
                                      self.device)
         H = x.shape[-1]
         T = x.numel() // H if H else 0
         qout = None
         if quant is not None:
-            qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out)
+            qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale)
         else:
             validate.check_fp8_outputs(op, x, None, q_out, scales_out, None, fp8_dtype, self.device)
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype) if x.numel() else None
@@ -385,21 +398,22 @@ class Communicator:
         # out is not written, and the kernels take residual_out as their out pointer (for its dtype).
         no_out = (qout is not None and not emit_unquantized and residual is not None and plan is not None
                   and plan.algorithm in ("one_shot", "lamport"))
+        static = quant == "fp8_static"  # its scales are the input scale: neither given nor new
         given = (out, residual_out) + ((q_out, scales_out) if qout is not None else ())
         if residual_out is None and residual is not None:
             residual_out = call_cache.new_like(x)
         if out is None:
             out = residual_out if no_out else call_cache.new_like(x)
-        outputs = (None if no_out else out, residual_out) + ((qout.q_fp8, qout.scales_view) if qout is not None
-                                                             else ())
-        # the kernels read x, residual and weight in place: a given output may not share their bytes
-        # (residual_out may be residual itself)
+        outputs = (None if no_out else out, residual_out) + ((qout.q_fp8, None if static else qout.scales_view)
+                                                             if qout is not None else ())
+        # the kernels read x, residual, weight and a static scale in place: a given output may not share
+        # their bytes (residual_out may be residual itself)
         xc, rc, wc = x.contiguous(), residual.contiguous() if residual is not None else None, weight.contiguous()
         if any(t is not None for t in given):
-            clash = validate.overlapping(outputs, (xc, rc, wc), allowed=((1, 1),))
+            clash = validate.overlapping(outputs, (xc, rc, wc, scale), allowed=((1, 1),))
             if clash is not None:
                 names = ("out", "residual_out", "q_out", "scales_out")
-                other = ("x", "residual", "weight") + names
+                other = ("x", "residual", "weight", "scale") + names
                 raise ValueError(f"{op}: {names[clash[0]]} shares memory with {other[clash[1]]}; outputs may "
                                  "overlap no input and no other output (residual_out may be residual itself)")
 
@@ -425,7 +439,7 @@ class Communicator:
         self._run_rows(op, plan, xc, out, rc, residual_out, wc, T, H, eps, norm=True, gemma=gemma,
                        quant=launch_quant, record=launched)
         if launched is not None:
-            new = [None if g is not None else t for t, g in zip(outputs, given)]
+            new = [None if g is not None else t for t, g in zip(outputs, given)]  # static: scales None
             self._remember(key, launched, (x, residual, weight, out, residual_out,
                                            launch_quant and launch_quant.q, launch_quant and launch_quant.scales),
                            (quant, emit_unquantized), (new + [None, None])[:4])

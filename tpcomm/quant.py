@@ -28,7 +28,7 @@ from . import reference
 from .dispatch import row_config
 from .env import interpreter_enabled, interpreter_problem
 from .kernels import quant as _k
-from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN, QuantOut
+from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN, QUANT_STATIC, QuantOut
 from .validate import check_fp8_outputs
 
 #: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).
@@ -251,7 +251,9 @@ def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
 
 # -- outputs of the fused op ------------------------------------------------------------------------
 #: ``quant`` choices of ``fused_add_rmsnorm``.
-QUANT_MODES = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0")
+QUANT_MODES = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static")
+#: The per-group forms (they take ``group_size`` and ``column_major_scales``).
+GROUP_MODES = ("fp8_per_group", "fp8_per_group_ue8m0")
 #: FP8 formats and their Triton types (e4m3fn: MAX 448; e4m3fnuz: MAX 240).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -263,7 +265,8 @@ class Fp8Outputs:
     Attributes:
         q_fp8: ``x``'s shape, ``fp8_dtype``.
         scales_view: float32 scales as returned: ``(..., 1)`` per token, ``(..., H / g)`` per group
-            (row-major), or ``(T, H / g)`` as the transpose of a contiguous ``(H / g, T)`` (column-major).
+            (row-major), or ``(T, H / g)`` as the transpose of a contiguous ``(H / g, T)`` (column-major);
+            static: the caller's one-element scale itself (an input, which the kernels only read).
         mode, fp8_dtype, group_size, column_major: the request.
     """
 
@@ -279,14 +282,16 @@ class Fp8Outputs:
         import triton.language as tl
 
         T = self.q_fp8.numel() // self.q_fp8.shape[-1]
-        if self.mode == "fp8_per_token":
+        if self.mode == "fp8_static":
+            row_stride, group_stride, group = 0, 0, 1  # every row reads the one scale
+        elif self.mode == "fp8_per_token":
             row_stride, group_stride, group = 1, 0, 1
         elif self.column_major:
             row_stride, group_stride, group = 1, T, self.group_size
         else:
             row_stride, group_stride, group = self.scales_view.shape[-1], 1, self.group_size
         mode = {"fp8_per_token": QUANT_PER_TOKEN.value, "fp8_per_group": QUANT_PER_GROUP.value,
-                "fp8_per_group_ue8m0": QUANT_PER_GROUP_UE8M0.value}[self.mode]
+                "fp8_per_group_ue8m0": QUANT_PER_GROUP_UE8M0.value, "fp8_static": QUANT_STATIC.value}[self.mode]
         fp8 = tl.float8e4nv if self.fp8_dtype == torch.float8_e4m3fn else tl.float8e4b8
         return QuantOut(self.q_fp8.view(torch.uint8), self.scales_view, row_stride, group_stride,
                         mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out)
@@ -295,6 +300,9 @@ class Fp8Outputs:
         """Quantise an unquantised ``out`` into these tensors with the plain-torch reference (the
         fallback path; the same bytes as the kernels)."""
         rows = out.reshape(-1, out.shape[-1])
+        if self.mode == "fp8_static":  # no scale to write: it is the input
+            self.q_fp8.view(-1, out.shape[-1]).copy_(reference.static_fp8_bytes(rows, self.scales_view, self.fp8_dtype))
+            return
         if self.mode == "fp8_per_token":
             q, s = reference.per_token_quant_reference(rows, self.fp8_dtype)
         elif self.mode == "fp8_per_group_ue8m0":
@@ -310,32 +318,74 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
     return native_fp8(device, fp8_dtype)  # asks the device once (it was a tenth of a call's host time)
 
 
-def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, emit_unquantized) -> None:
+def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, emit_unquantized,
+                           scale=None) -> None:
     """A call without ``quant`` takes none of the FP8 options (they would be ignored).
 
     Raises:
-        ValueError: ``emit_unquantized`` or ``column_major_scales`` is set, or ``group_size`` /
-            ``fp8_dtype`` differs from its default.
+        ValueError: ``emit_unquantized`` or ``column_major_scales`` is set, ``scale`` is given, or
+            ``group_size`` / ``fp8_dtype`` differs from its default.
     """
+    if scale is not None:
+        raise ValueError(f"{op}: scale needs quant='fp8_static' (without a quant form it would be ignored)")
     if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
             or fp8_dtype != torch.float8_e4m3fn):
         raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
-                         "a quant form (quant='fp8_per_token', 'fp8_per_group' or 'fp8_per_group_ue8m0'; "
-                         "without it they would be ignored)")
+                         "a quant form (quant='fp8_per_token', 'fp8_per_group', 'fp8_per_group_ue8m0' or "
+                         "'fp8_static'; without it they would be ignored)")
+
+
+def check_static_scale(op: str, x: torch.Tensor, scale) -> None:
+    """The ``scale`` of ``quant='fp8_static'``: a float32 tensor of one element on ``x``'s device, and,
+    where reading it costs no device synchronisation (a CPU tensor, outside tracing), finite and
+    positive. A CUDA scale's value is not read: a non-finite or non-positive one gives NaN or saturated
+    bytes (as :func:`static_quant_fp8` during a graph capture).
+
+    Raises:
+        ValueError: ``scale`` is None, has more than one element, is on another device, or (CPU) is not
+            finite and positive.
+        TypeError: ``scale`` is not a tensor or not float32.
+    """
+    if scale is None:
+        raise ValueError(f"{op}: quant='fp8_static' needs scale, a float32 tensor of one element (the "
+                         "calibrated scale: q = fp8(out / scale))")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: scale must be a torch.Tensor (float32, one element), got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{op}: scale has dtype {scale.dtype}; expected torch.float32")
+    if scale.numel() != 1:
+        raise ValueError(f"{op}: scale must hold one element, got shape {tuple(scale.shape)}")
+    if scale.device != x.device:
+        raise ValueError(f"{op}: scale is on {scale.device}, x on {x.device}; expected the same device")
+    if scale.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_fake(scale):
+        value = float(scale.reshape(()).item())
+        if not (value > 0 and value != float("inf")):  # NaN fails both
+            raise ValueError(f"{op}: scale={value!r}; expected a finite positive float32")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,
                 column_major_scales: bool, q_out: torch.Tensor | None = None,
-                scales_out: torch.Tensor | None = None) -> Fp8Outputs:
+                scales_out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> Fp8Outputs:
     """Validate the quant arguments of ``op`` for input ``x`` (``(..., H)``) and allocate the outputs, or
     take ``q_out`` / ``scales_out`` where the caller gives them (checked by
-    :func:`tpcomm.validate.check_fp8_outputs` against the layout this call would allocate).
+    :func:`tpcomm.validate.check_fp8_outputs` against the layout this call would allocate). ``scale``:
+    the input scale of ``quant='fp8_static'`` (:func:`check_static_scale`), which the result returns as
+    its scales.
 
     Raises:
         ValueError: ``quant`` or ``fp8_dtype`` is not a supported choice, ``group_size`` is not a power
             of two in [1, 8192] or does not divide H (the message names both numbers), or
-            ``column_major_scales`` is asked for per-token scales or a non-2-D ``x``, or a ``group_size``
-            other than the default is passed with per-token scales.
+            ``column_major_scales`` is asked for per-token or static scales or a non-2-D ``x``, or a
+            ``group_size`` other than the default is passed with per-token or static scales; ``scale`` is
+            given with another form than ``fp8_static``, or ``fp8_static`` has no valid ``scale`` or is
+            given ``scales_out``.
+        TypeError: ``scale`` is not a float32 tensor.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"{op}: quant must be None or one of {QUANT_MODES}, got {quant!r}")
@@ -343,6 +393,23 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
         raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
     H = x.shape[-1]
     lead = x.shape[:-1]
+    if quant != "fp8_static" and scale is not None:
+        raise ValueError(f"{op}: scale applies to quant='fp8_static' only (quant={quant!r} computes its "
+                         "scales from out)")
+    if quant != "fp8_per_token" and quant not in GROUP_MODES:  # fp8_static
+        if column_major_scales:
+            raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "
+                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0')")
+        if group_size != DEFAULT_GROUP_SIZE:
+            raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
+                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; fp8_static has one scale)")
+        check_static_scale(op, x, scale)
+        if scales_out is not None:
+            raise ValueError(f"{op}: scales_out does not apply to quant='fp8_static' (its scale is the input "
+                             "scale, returned as it is)")
+        if q_out is not None:
+            check_fp8_outputs(op, x, quant, q_out, None, None, fp8_dtype, x.device)
+        return Fp8Outputs(_q(x, fp8_dtype, q_out), scale, quant, fp8_dtype, 1, False)
     if quant == "fp8_per_token":
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "

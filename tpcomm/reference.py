@@ -374,7 +374,15 @@ def static_fp8_quant_reference(x: torch.Tensor, scale: torch.Tensor,
     op = "static_fp8_quant_reference"
     _check_rows(x, op, 1, "block")
     _check_fp8_dtype(op, fp8_dtype)
-    s = _one_float32(op, "scale", scale).to(x.device)
+    return static_fp8_bytes(x, _one_float32(op, "scale", scale), fp8_dtype)
+
+
+def static_fp8_bytes(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`static_fp8_quant_reference` without its checks, which read the scale on the host: the
+    fused call's fallback path uses it (a scale on a GPU, perhaps during a CUDA-graph capture).
+    ``x`` ``(T, H)``, ``scale`` one float32 element on any device; returns ``q`` ``(T, H)`` of
+    ``fp8_dtype``."""
+    s = scale.reshape(()).to(x.device)
     inv = (1.0 / s.double()).float()  # one correctly rounded float32 reciprocal, as vLLM's 1.0f / scale
     return _fp8_bytes(x.to(torch.float32) * inv, fp8_dtype)
 

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
-from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_scale, group_amax, group_division, pow2_ceil, quantize,
-                    row_amax, store_fp8, token_division, widen)
+from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_encode, fp8_scale, group_amax, group_division, pow2_ceil,
+                    quantize, row_amax, static_inverse, store_fp8, token_division, widen)
 
 #: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
 QUANT_NONE = tl.constexpr(0)
@@ -37,6 +37,8 @@ QUANT_PER_TOKEN = tl.constexpr(1)
 QUANT_PER_GROUP = tl.constexpr(2)
 #: Per group with power-of-two (UE8M0) scales: each group's scale rounded up (``quant.pow2_ceil``).
 QUANT_PER_GROUP_UE8M0 = tl.constexpr(3)
+#: Static per tensor: one calibrated scale, an input read from ``s_row_ptr`` (:func:`quant_static_tile`).
+QUANT_STATIC = tl.constexpr(4)
 
 #: ``SUM`` of :func:`reduce_norm_row`: where the row's sum ``s`` comes from: reduced from the ranks' rows
 #: (:func:`reduce_tile`), loaded as another program computed it (two-shot's gathered rows), or given
@@ -269,6 +271,16 @@ def quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, tile, 
 
 
 @triton.jit
+def quant_static_tile(o, q_row_ptr, inv, cols, mask, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                      SRC_BITS: tl.constexpr):
+    """Static per-tensor FP8 of one tile of ``out`` (float32 ``o``): the bytes ``fp8(o * inv)`` with
+    ``inv`` from :func:`quant.static_inverse`, saturating, nearest-even, NaN as the canonical NaN byte
+    (docs/numerics.md, "Static per-tensor FP8"), as ``quant._static_quant_kernel`` stores them. No
+    scale is stored: it is the caller's input."""
+    store_fp8(q_row_ptr, cols, fp8_encode(o * inv, FP8, NATIVE_FP8), mask, SRC_BITS)
+
+
+@triton.jit
 def _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
     """A tile of the row that a multi-tile epilogue's first pass stored, widened: ``residual_out``, or
     ``s`` (in ``out``) without a residual."""
@@ -294,7 +306,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     Without ``NORM`` stores ``s`` to ``out``. With ``NORM`` stores ``residual_out`` (when
     ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN``,
     ``QUANT_PER_GROUP`` or ``QUANT_PER_GROUP_UE8M0``) the FP8 bytes of ``out`` at ``q_row_ptr`` (uint8)
-    and their float32 scales at ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale).
+    and their float32 scales at ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale);
+    with ``QUANT_STATIC`` the bytes only, ``s_row_ptr`` pointing at the one float32 scale it reads.
     ``row_start`` is the row's first element in the flat tensor; elements at or beyond ``numel`` are
     masked (plain all-reduce of a tensor that is not a whole number of rows).
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
@@ -322,6 +335,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             w = weight_tile(w_ptr, offs, mask, w_pre, GEMMA, PRELOAD)
             if QUANT == QUANT_PER_TOKEN:
                 p_max = row_amax(v * w, mask)  # needs no inv: reduced beside the sum of squares, not after it
+            if QUANT == QUANT_STATIC:
+                q_inv = static_inverse(s_row_ptr)
             inv = rms_inverse(tree_sum(v * v), H, eps)
             first = weight_first(inv, DTYPE)
             o = norm_tile(v, w, inv, first, out_row_ptr, offs, mask, STORE_OUT)
@@ -330,6 +345,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                 recip, fast = token_division(scale, SRC16)
                 store_fp8(q_row_ptr, offs, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 tl.store(s_row_ptr, scale)
+            elif QUANT == QUANT_STATIC:
+                quant_static_tile(o, q_row_ptr, q_inv, offs, mask, FP8, NATIVE_FP8, SRC_BITS)
             elif QUANT >= QUANT_PER_GROUP:
                 quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, offs, mask, 0, H, FP8, NATIVE_FP8,
                                  GROUP, SRC_BITS, QUANT == QUANT_PER_GROUP_UE8M0)
@@ -374,6 +391,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     amax = amax_from_bits(o_bits)
                 scale = fp8_scale(amax, FP8)
                 recip, fast = token_division(scale, SRC16)
+            if QUANT == QUANT_STATIC:
+                q_inv = static_inverse(s_row_ptr)
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = cols < H
@@ -384,6 +403,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                               mask, STORE_OUT)
                 if QUANT == QUANT_PER_TOKEN:
                     store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
+                elif QUANT == QUANT_STATIC:
+                    quant_static_tile(o, q_row_ptr, q_inv, cols, mask, FP8, NATIVE_FP8, SRC_BITS)
                 elif QUANT >= QUANT_PER_GROUP:
                     quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
                                      NATIVE_FP8, GROUP, SRC_BITS, QUANT == QUANT_PER_GROUP_UE8M0)
@@ -400,7 +421,9 @@ class QuantOut:
         scales: float32; the scale of group ``g`` of row ``i`` is at element
             ``i * row_stride + g * group_stride`` (per token: ``g`` is 0).
         row_stride, group_stride: element strides of ``scales`` (row-major or column-major layouts).
-        mode: ``QUANT_PER_TOKEN.value``, ``QUANT_PER_GROUP.value`` or ``QUANT_PER_GROUP_UE8M0.value``.
+        mode: ``QUANT_PER_TOKEN.value``, ``QUANT_PER_GROUP.value``, ``QUANT_PER_GROUP_UE8M0.value`` or
+            ``QUANT_STATIC.value`` (then ``scales`` is the caller's one-element scale, read only, and both
+            strides are 0).
         fp8: ``tl.float8e4nv`` (e4m3fn) or ``tl.float8e4b8`` (e4m3fnuz).
         native: use the hardware conversion (:func:`tpcomm.quant.native_fp8`).
         group: elements per group (per-group mode; 1 otherwise).

@@ -412,6 +412,14 @@ def launch_per_group_quant(x, q_bits, scales, group_size: int, fp8, native_fp8: 
 
 
 @triton.jit
+def static_inverse(scale_ptr):
+    """``div_rn(1, scale)`` of the float32 static scale at ``scale_ptr`` (a scalar): what static
+    per-tensor FP8 multiplies by (the fused epilogues and :func:`_static_quant_kernel` alike)."""
+    scale = tl.load(scale_ptr)
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def _static_quant_kernel(x_ptr, scale_ptr, q_ptr, H, x_row_stride, q_row_stride,
                          FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                          BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr):
@@ -422,8 +430,7 @@ def _static_quant_kernel(x_ptr, scale_ptr, q_ptr, H, x_row_stride, q_row_stride,
     x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * q_row_stride
     SRC_BITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
-    scale = tl.load(scale_ptr)
-    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    inv = static_inverse(scale_ptr)
     offs = tl.arange(0, BLOCK_H)
     for t in tl.static_range(NUM_TILES):
         cols = t * BLOCK_H + offs
