@@ -52,7 +52,7 @@ def test_the_lockstep_loop_decodes_as_generate_does(model):
 
     from tpcomm.models import demo
 
-    cfg = demo.sized(demo.ModelDemoConfig(model=model, device="cpu", dtype="float32", steps=6), 2)
+    cfg = model_cases.small(model, 2, steps=4)
     m = demo.make_model(cfg)
     prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=torch.Generator().manual_seed(1))
     tokens, logits = demo.greedy(m, prompt, cfg.steps)

@@ -16,12 +16,11 @@ from numerics import (Checks, algo_dtype_pairs, assert_ranks_identical, assert_s
                       ulp_distance)
 
 ALGO_DTYPES = [pytest.param(a, d, id=f"{a}-{dtype_name(d)}") for a, d in algo_dtype_pairs()]
-#: Hidden sizes: 1 (a row of one), 7 and 123 (odd, not a multiple of any vector width), 2880 (a real
-#: model's, not a power of two).
-HIDDEN = [1, 7, 123, 2880]
-#: Token counts: 1 (decode), 3 (below the CPU grid cap of 4 programs), 5 (above it: a program takes two
-#: rows).
-TOKENS = [1, 3, 5]
+#: (T, H) of the random-input cases: hidden sizes 1 (a row of one), 7 and 123 (odd, not a multiple of any
+#: vector width), 2880 (a real model's, not a power of two); token counts 1 (decode), 3 (below the CPU
+#: grid cap of 4 programs), 5 (above it: a program takes two rows). Every hidden size and every token
+#: count appears, the widest rows under both grid regimes; not every pair (each costs a pool call).
+SHAPES = [(1, 1), (3, 7), (5, 7), (5, 123), (1, 2880), (5, 2880)]
 
 
 def check_fused(results, dtype, H, algo, check, residual=True):
@@ -70,8 +69,7 @@ def test_fused_residual_out_small_integers_exact(pool, algo, dtype, shape):
 
 
 # -- random inputs against the reference ------------------------------------------------------------------
-@pytest.mark.parametrize("T", TOKENS)
-@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("T,H", SHAPES, ids=[f"{t}x{h}" for t, h in SHAPES])
 @pytest.mark.parametrize("algo,dtype", ALGO_DTYPES)
 def test_fused_matches_reference(pool, algo, dtype, H, T):
     results = pool.run(rank_cases.fused_case, 100 + 10 * H + T, (T, H), dtype, algo=algo,
@@ -156,8 +154,12 @@ def test_all_reduce_matches_reference(pool, algo, dtype, shape):
 
 
 # -- outputs: NaN-poisoned, in place, strided ---------------------------------------------------------------
-@pytest.mark.parametrize("out_mode", ["nan", "inplace", "strided"])
-@pytest.mark.parametrize("shape", [(5, 123), (4100,)], ids=str)
+#: (out mode, shape) pairs of test_all_reduce_out: NaN-filled on rows and on a flat tensor of a partial
+#: row, in place on the flat one, strided on rows.
+OUT_CASES = [("nan", (5, 123)), ("nan", (4100,)), ("inplace", (4100,)), ("strided", (5, 123))]
+
+
+@pytest.mark.parametrize("out_mode,shape", OUT_CASES, ids=[f"{m}-{s}" for m, s in OUT_CASES])
 @pytest.mark.parametrize("algo,dtype", ALGO_DTYPES)
 def test_all_reduce_out(pool, algo, dtype, shape, out_mode):
     """``out`` pre-filled with NaN: every element written (inputs are finite, so a NaN left is an
