@@ -27,6 +27,7 @@ import triton.language as tl
 from . import reference
 from .dispatch import row_config
 from .env import interpreter_enabled, interpreter_problem
+from .kernels import fp4 as _fp4
 from .kernels import quant as _k
 from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN, QUANT_STATIC, QuantOut
 from .validate import check_fp8_outputs
@@ -53,6 +54,13 @@ def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
 
 def _check(op: str, x, fp8_dtype) -> None:
+    _check_x(op, x)
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"{op}: fp8_dtype={fp8_dtype}; expected torch.float8_e4m3fn or "
+                         "torch.float8_e4m3fnuz")
+
+
+def _check_x(op: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in QUANT_INPUT_DTYPES:
@@ -61,9 +69,6 @@ def _check(op: str, x, fp8_dtype) -> None:
         raise ValueError(f"{op}: x must be 2-D (T, H), got shape {tuple(x.shape)}")
     if x.shape[1] < 1:
         raise ValueError(f"{op}: x has shape {tuple(x.shape)}; rows need at least one element (H >= 1)")
-    if fp8_dtype not in FP8_MAX:
-        raise ValueError(f"{op}: fp8_dtype={fp8_dtype}; expected torch.float8_e4m3fn or "
-                         "torch.float8_e4m3fnuz")
     problem = interpreter_problem()
     if problem is not None and x.device.type == "cpu":
         raise RuntimeError(f"{op}: {problem}")
@@ -193,19 +198,7 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
     """
     op = "static_quant_fp8"
     _check(op, x, fp8_dtype)
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{op}: scale must be a torch.Tensor, got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise TypeError(f"{op}: scale has dtype {scale.dtype}; expected torch.float32")
-    if scale.numel() != 1:
-        raise ValueError(f"{op}: scale must hold one element, got shape {tuple(scale.shape)}")
-    if scale.device != x.device:
-        raise ValueError(f"{op}: scale is on {scale.device}, x on {x.device}; expected the same device")
-    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        value = float(scale.reshape(()).item())
-        if not (value > 0 and value != float("inf")):  # NaN fails both
-            raise ValueError(f"{op}: scale={value!r}; expected a finite positive float32")
+    _check_one_float32(op, "scale", scale, x)
     x = _rows(x)
     T, H = x.shape
     q = torch.empty((T, H), dtype=fp8_dtype, device=x.device)
@@ -214,6 +207,129 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
         _k.launch_static_quant(x, scale.reshape(1), q.view(torch.uint8), _TL_FP8[fp8_dtype],
                                native_fp8(x.device, fp8_dtype), cfg.block_h, cfg.num_tiles, cfg.num_warps)
     return q
+
+
+def _check_one_float32(op: str, name: str, t, x: torch.Tensor) -> None:
+    """A standalone op's scale input ``t``: a float32 tensor of one element on ``x``'s device, finite
+    and positive outside CUDA-graph capture (the check reads it: one synchronisation on CUDA)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected torch.float32")
+    if t.numel() != 1:
+        raise ValueError(f"{op}: {name} must hold one element, got shape {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}; expected the same device")
+    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        value = float(t.reshape(()).item())
+        if not (value > 0 and value != float("inf")):  # NaN fails both
+            raise ValueError(f"{op}: {name}={value!r}; expected a finite positive float32")
+
+
+def _check_fp4(op: str, x, block: int, swizzled_scales) -> None:
+    _check_x(op, x)
+    if not isinstance(swizzled_scales, bool):
+        raise TypeError(f"{op}: swizzled_scales must be a bool, got {type(swizzled_scales).__name__}")
+    if x.shape[1] % block:
+        raise ValueError(f"{op}: x has H={x.shape[1]} elements per row, not a multiple of the block size "
+                         f"{block}")
+
+
+def _fp4_scales(x: torch.Tensor, block: int, swizzled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The block scales of ``x`` (``(T, H)``): ``(T, H // block)`` row-major, or the zeroed ``(Rp, Cp)``
+    128x4 buffer; and ``Cp // 4``."""
+    T, H = x.shape
+    C = H // block
+    if not swizzled:
+        return torch.empty((T, C), dtype=dtype, device=x.device), 0
+    Rp, Cp = -(-T // 128) * 128, -(-C // 4) * 4
+    return torch.zeros((Rp, Cp), dtype=dtype, device=x.device), Cp // 4
+
+
+def mxfp4_quant(x: torch.Tensor, scale_rule: str = "floor", swizzled_scales: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to MXFP4 (OCP Microscaling v1.0): per block of 32 consecutive elements of a row,
+    one E8M0 scale ``2^e`` with ``e = floor(log2(amax)) - 2`` (``scale_rule="floor"``, the spec's;
+    ``"even"`` and ``"rceil"`` as other producers round), clamped to ``[-127, 127]``, and E2M1 elements
+    ``x / 2^e`` rounded to nearest-even, saturating at +-6, packed two to a byte; a block holding NaN or
+    Inf gets the scale byte 0xFF and zero codes (docs/numerics.md, "MXFP4"). Plain torch:
+    :func:`tpcomm.reference.mxfp4_quant_reference` (same bytes); dequantise with
+    :func:`tpcomm.reference.mxfp4_dequant_reference`.
+
+    Args:
+        x: ``(T, H)`` bfloat16, float16 or float32, ``H`` a multiple of 32, on CUDA (on the CPU under the
+            interpreter). Any row stride; a column stride other than 1 is copied first. ``T`` may be 0.
+        scale_rule: ``"floor"`` (default), ``"even"`` or ``"rceil"``.
+        swizzled_scales: False (default): ``scales`` is ``(T, H // 32)`` row-major. True: the 128x4
+            layout of SM100 FP4 GEMMs, a contiguous ``(ceil(T / 128) * 128, ceil(H / 128) * 4)`` uint8
+            buffer, padding zero (:func:`tpcomm.reference.swizzle_128x4` of the row-major scales).
+    Returns:
+        ``(q, scales)``: ``q`` ``(T, H // 2)`` uint8, element ``2i`` of a row in the low nibble of byte
+        ``i``; ``scales`` uint8 E8M0 bytes (``e + 127``) as above. One launch (and a fill of the
+        swizzled buffer); safe to capture in a CUDA graph.
+    Raises:
+        TypeError: ``x`` is not a tensor or has another dtype; ``swizzled_scales`` is not a bool.
+        ValueError: ``x`` is not 2-D, has ``H == 0`` or ``H`` not a multiple of 32, or is on a device
+            the kernels do not run on in this process; another ``scale_rule``.
+    """
+    op = "mxfp4_quant"
+    _check_fp4(op, x, 32, swizzled_scales)
+    if scale_rule not in _fp4.MX_RULES:
+        raise ValueError(f"{op}: scale_rule={scale_rule!r}; expected 'floor', 'even' or 'rceil'")
+    x = _rows(x)
+    T, H = x.shape
+    q = torch.empty((T, H // 2), dtype=torch.uint8, device=x.device)
+    scales, n_col_tiles = _fp4_scales(x, 32, swizzled_scales, torch.uint8)
+    cfg = row_config(H, 1)  # block_h: a power of two >= min(H, 8192), so tiles hold whole blocks
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _fp4.launch_mxfp4_quant(x, q, scales, _fp4.MX_RULES[scale_rule], swizzled_scales, n_col_tiles,
+                                cfg.block_h, cfg.num_tiles, cfg.num_warps)
+    return q, scales
+
+
+def nvfp4_quant(x: torch.Tensor, global_scale: torch.Tensor, swizzled_scales: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to NVFP4: per block of 16 consecutive elements of a row, the e4m3fn block scale
+    ``s = e4m3(f32(amax / 6) * global_scale)`` (nearest-even, subnormals kept, at most 448) and E2M1
+    elements ``x * f32(global_scale / s)`` (0 times ``x`` where ``s`` is 0), nearest-even, saturating at
+    +-6, packed two to a byte; a block holding NaN or Inf gets the NaN block scale 0x7F and zero codes
+    (docs/numerics.md, "NVFP4"; TensorRT-LLM's quantiser with correctly rounded divisions). Plain torch:
+    :func:`tpcomm.reference.nvfp4_quant_reference` (same bytes); dequantise with
+    :func:`tpcomm.reference.nvfp4_dequant_reference`.
+
+    Args:
+        x: ``(T, H)`` bfloat16, float16 or float32, ``H`` a multiple of 16, as for :func:`mxfp4_quant`.
+        global_scale: float32 tensor of one element on ``x``'s device, finite and positive (TensorRT-LLM's
+            ``448 * 6 / amax(tensor)``, :func:`tpcomm.reference.nvfp4_global_scale`); a tensor, so a CUDA
+            graph replays with its current value.
+        swizzled_scales: False (default): ``block_scales`` is ``(T, H // 16)`` row-major. True: the 128x4
+            layout TensorRT-LLM and CUTLASS read, a contiguous ``(ceil(T / 128) * 128, ceil(H / 64) * 4)``
+            buffer, padding zero (:func:`tpcomm.reference.swizzle_128x4` of the row-major scales).
+    Returns:
+        ``(q, block_scales)``: ``q`` ``(T, H // 2)`` uint8, element ``2i`` of a row in the low nibble of
+        byte ``i``; ``block_scales`` ``torch.float8_e4m3fn`` as above. One launch (and a fill of the
+        swizzled buffer).
+    Raises:
+        TypeError: ``x`` or ``global_scale`` is not a tensor or has another dtype; ``swizzled_scales`` is
+            not a bool.
+        ValueError: as :func:`mxfp4_quant` (``H`` a multiple of 16); ``global_scale`` has more than one
+            element or is on another device; outside CUDA-graph capture, ``global_scale`` is not finite
+            or not positive (that check reads it: one device synchronisation on CUDA; during a capture
+            it is skipped).
+    """
+    op = "nvfp4_quant"
+    _check_fp4(op, x, 16, swizzled_scales)
+    _check_one_float32(op, "global_scale", global_scale, x)
+    x = _rows(x)
+    T, H = x.shape
+    q = torch.empty((T, H // 2), dtype=torch.uint8, device=x.device)
+    scales, n_col_tiles = _fp4_scales(x, 16, swizzled_scales, torch.float8_e4m3fn)
+    cfg = row_config(H, 1)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _fp4.launch_nvfp4_quant(x, global_scale.reshape(1), q, scales.view(torch.uint8), swizzled_scales,
+                                n_col_tiles, cfg.block_h, cfg.num_tiles, cfg.num_warps)
+    return q, scales
 
 
 def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
