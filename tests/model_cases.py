@@ -13,7 +13,7 @@ from tpcomm.models import demo
 
 
 def small(model: str, world: int, dtype: str = "float32", steps: int = 3) -> demo.ModelDemoConfig:
-    """A small model of ``model``'s kind whose heads and MLP divide by ``world``: one layer of 64-wide
+    """A small model of ``model``'s kind whose heads and MLP divide by ``world``: two layers of 64-wide
     heads (``2 W`` of them, ``W`` key-value heads)."""
     heads = 2 * world
     return replace(demo.ModelDemoConfig(model=model, dtype=dtype, steps=steps), layers=2, heads=heads,

@@ -1,4 +1,4 @@
-"""4 and 8 ranks on CPU (issue 8 asks for 4 and 8 GPUs; these are what CPUs allow): every op under every
+"""4 and 8 ranks on CPU (the world sizes of 4- and 8-GPU nodes, as CPU ranks): every op under every
 algorithm, bit-exact against the reference, on every rank."""
 
 import pytest

@@ -93,7 +93,17 @@ class Workspace:
                  timeout_s: float, lamport_slot_bytes: int, pdl: bool,
                  two_shot_factor: int = TWO_SHOT_GRID_FACTOR) -> None:
         """Sizes of the layout and local settings (no allocation, no collective). ``two_shot_factor``:
-        two-shot's grid cap over ``max_programs`` on rows of one tile of 4096+ elements."""
+        two-shot's grid cap over ``max_programs`` on rows of one tile of 4096+ elements.
+
+        Raises:
+            ValueError: a grid cap (``max_programs`` times ``two_shot_factor``) above what the state
+                word's start counter counts (``kernels.sync.MAX_PROGRAMS``).
+        """
+        from .kernels.sync import MAX_PROGRAMS
+
+        if two_shot_factor * max_programs > MAX_PROGRAMS:
+            raise ValueError(f"workspace: a grid cap of {two_shot_factor * max_programs} programs "
+                             f"(max_programs {max_programs} x {two_shot_factor}); at most {MAX_PROGRAMS}")
         self.device = device
         self.rank = rank
         self.world_size = world_size
@@ -117,7 +127,8 @@ class Workspace:
         self._handle = None
 
     def _make_tables(self, bases: list[int]) -> None:
-        """The peer tables from every rank's buffer address (rank order), and this rank's local state."""
+        """The peer tables from every rank's buffer address (rank order), and this rank's state word (in its
+        own buffer)."""
         device = self.device
         self.flag_table = torch.tensor(bases, dtype=torch.int64, device=device)
         self.buf_table = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
@@ -289,7 +300,7 @@ class Workspace:
         """``(code, peer, epoch, program, signature)`` recorded by a kernel; code 0 means none. On CUDA the
         words are in pinned host memory: this reads what has landed so far without synchronising."""
         code, peer, epoch, program, signature = (int(v) for v in self._err_words)
-        return code, peer, epoch, program, signature
+        return code, peer, epoch & 0xFFFFFFFF, program, signature  # the epoch unsigned, as epoch() gives it
 
     def error_code(self) -> int:
         """The recorded error's code alone (0: none); what every call checks, twice (a fraction of a µs)."""

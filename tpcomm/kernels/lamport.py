@@ -69,7 +69,8 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
                timeout, err_ptr, state_ptr, table_ptr, abort_off, WORLD: tl.constexpr):
     """The block-wide wait (rows of several tiles, or not in whole 16-byte vectors): spin until, for every
     peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) carries this epoch and no element of
-    this tile in ``q``'s slot holds the sentinel (bounded). A tag of this epoch with another signature ends the wait at once and records
+    this tile in ``q``'s slot holds the sentinel (bounded). A tag of this epoch with another signature
+    ends the wait at once and records
     ``ERR_MISMATCH``; an expired wait records ``ERR_TIMEOUT``. Returns the timeout left for later
     waits: ``timeout``, or 0 once a wait failed. The epilogue then reads the tiles again.
 

@@ -11,9 +11,9 @@ Mechanism: :func:`spin_vectors` is one inline-PTX loop per 16-byte vector. It lo
 eight 16-bit halves holds the sentinel or the tag's low word is not this call's, until ``%globaltimer``
 passes the deadline, or the tag is this epoch's with another call's signature. Past the deadline the
 thread stores this rank's abort word in the awaited peer and sets its notified flag
-(``sync.store_abort``: the peer's base read from its table entry, only then) and spins on until the grace ends (``sync.grace_ns``). The vector's
-words and a status come back per thread: 0 arrived, 1 timed out, 2 another call's tag (at once,
-whatever arrived). A caller combines statuses once, after the loops (timings: docs/benchmarks.md,
+(``sync.store_abort``: the peer's base read from its table entry, only then) and spins on until the
+grace ends (``sync.grace_ns``). The vector's words and a status come back per thread: 0 arrived, 1
+timed out, 2 another call's tag (at once, whatever arrived). A caller combines statuses once, after the loops (timings: docs/benchmarks.md,
 "Decode kernels").
 With ``REARM``, the thread then stores the sentinel into the vector it read, inside the same asm: no
 other thread reads that vector (the caller guarantees one thread per vector: no replicated layout), so
@@ -22,7 +22,8 @@ re-arming needs no barrier.
 Call tags: ``tag = signature << 32 | (2 * epoch + 1 mod 2**32)`` (:func:`tag_value`), stored by a sending
 program after its data into ``[parity][program][sender]`` of each peer. The low word is odd, so the
 buffers' initial fill (0x8000 halves, an even low word) never matches; two calls of one parity are two
-epochs apart, so a stale tag never matches either, and tags are never re-armed.
+epochs apart, so a stale tag matches only after 2**31 calls (docs/reliability.md, after the fault
+table), and tags are never re-armed.
 
 Under Triton's interpreter (no PTX) :func:`spin_vectors` is a twin with the same results: the whole
 tile is polled with volatile loads until nothing is missing or the host clock passes the deadline (one

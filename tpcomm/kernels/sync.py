@@ -11,8 +11,8 @@ Protocol:
     covers the data stores of every thread of the program.
   * The owner polls its own flag with an ``acquire`` load at system scope (``atomic_add(p, 0)``, which
     Triton lowers to ``ld.acquire.sys``) until its low 32 bits equal the epoch, then runs a program-wide
-    barrier before any thread loads the data. Flags are matched by equality, so wrap-around of the 32-bit
-    epoch is harmless; flags are doubled by epoch parity (and by phase: two-shot exchanges twice), so a
+    barrier before any thread loads the data. Flags are matched by equality (a slot left unwritten for
+    2**32 calls matches again: docs/reliability.md, after the fault table); flags are doubled by epoch parity (and by phase: two-shot exchanges twice), so a
     peer one call ahead never overwrites a flag that is still awaited. A flag of the right epoch but
     another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` (the
     call's outputs are then undefined, and the call raises).
@@ -61,9 +61,10 @@ ERR_MISMATCH = tl.constexpr(MISMATCH_CODE)
 #: Error code written when a peer gave up waiting for this rank at this call's epoch (abort word).
 ERR_ABORTED = tl.constexpr(ABORTED_CODE)
 
-#: The state word (module docstring): one start ticket, the flag set when a wait of this rank expired,
-#: the flag a peer sets when it stores an abort word here (host-side values, then the kernels').
-COUNTER_UNIT, BROKEN_FLAG, NOTIFIED_FLAG = 1 << 32, 1 << 48, 1 << 49
+#: The state word (module docstring): the flag set when a wait of this rank expired, the flag a peer
+#: sets when it stores an abort word here (host-side values, then the kernels'), and the largest launch
+#: the start counter counts (``Workspace`` refuses a larger grid cap).
+BROKEN_FLAG, NOTIFIED_FLAG, MAX_PROGRAMS = 1 << 48, 1 << 49, (1 << 16) - 1
 #: Bits of the state word above the epoch that hold the start counter (``(word >> 32) & COUNTER_BITS``).
 COUNTER_BITS = tl.constexpr(0xFFFF)
 BROKEN_BIT = tl.constexpr(BROKEN_FLAG)
@@ -217,6 +218,9 @@ def check_abort(state_ptr, word, rank, epoch, program, signature, err_ptr, timeo
     each rank sees")."""
     aborter = epoch * 0 - 1
     if (word & NOTIFIED_BIT) != 0:
+        # the state word again, with acquire: it pairs with the peer's release of the flag, so the words
+        # stored before it are seen (the start atomic is relaxed)
+        tl.atomic_add(state_ptr, 0, sem="acquire", scope="sys")
         want = abort_word(epoch)
         for q in tl.static_range(WORLD):
             if q != rank:
@@ -236,10 +240,9 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     ``timeout`` nanoseconds, then check the signature.
 
     Returns True when the peer arrived with this call's signature. Once ``timeout`` has passed, stores
-    this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_off``, ``abort_idx``)
-    and goes on
-    for :func:`grace_ns` (so it waits at most ``timeout`` plus the grace): a peer that arrives within it
-    completes the call with this rank, and the word is withdrawn. On expiry
+    this rank's abort word in the peer (:func:`store_abort` at ``abort_at``, ``abort_off``,
+    ``abort_idx``) and goes on for :func:`grace_ns` (so it waits at most ``timeout`` plus the grace): a
+    peer that arrives within it completes the call with this rank, and the word is withdrawn. On expiry
     records ``ERR_TIMEOUT``, on another signature ``ERR_MISMATCH`` (:func:`record_error`; neither when
     ``timeout`` is 0: an earlier failure's error, which names the peer really at fault, stays), and
     returns False.
