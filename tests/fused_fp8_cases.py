@@ -17,9 +17,10 @@ import torch
 
 import tpcomm
 from numerics import all_inputs, raised, residual_input, weight_input
-from tpcomm.quant import per_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
-from tpcomm.reference import (per_group_quant_reference, per_group_ue8m0_quant_reference, per_token_quant_reference,
-                              static_fp8_quant_reference)
+from tpcomm.quant import mxfp4_quant, nvfp4_quant, per_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
+from tpcomm.reference import (mxfp4_quant_reference, nvfp4_quant_reference, per_group_quant_reference,
+                              per_group_ue8m0_quant_reference, per_token_quant_reference, static_fp8_quant_reference,
+                              swizzle_128x4)
 
 #: Per FP8 format: the byte of every NaN, the magnitude bits of +-MAX, the smallest normal (2^-6 e4m3fn,
 #: 2^-7 e4m3fnuz: below it the FP8 step is that of the subnormals).
@@ -93,6 +94,56 @@ class Fp8Case:
         elif self.quant != "fp8_per_token":  # per-token calls take no group_size (ValueError)
             kw["group_size"] = self.group
         return kw
+
+
+@dataclass(frozen=True)
+class Fp4Case:
+    """One fused call with an FP4 output (``quant="mxfp4"`` or ``"nvfp4"``); attributes as
+    :class:`Fp8Case`, and ``swizzled`` (``swizzled_scales``), ``global_scale`` (NVFP4's ``scale``: 500
+    maps a block amax of 5.4 to the block scale 448, so larger blocks saturate it and small ones get
+    e4m3 subnormals), ``repeat`` (two more calls: NVFP4 with another global scale tensor, then that
+    tensor with a new value; MXFP4 the same call again)."""
+
+    seed: int
+    shape: tuple
+    dtype: torch.dtype
+    algo: str
+    quant: str
+    swizzled: bool = False
+    residual: bool = True
+    gemma: bool = False
+    emit: bool = False
+    w_dtype: torch.dtype | None = None
+    max_bytes: int | None = None
+    special: bool = False
+    peak: bool = False
+    eps: float = 1e-6
+    tiny: bool = False
+    global_scale: float = 500.0
+    repeat: bool = False
+
+    def scale_tensor(self, value: float | None = None) -> torch.Tensor | None:
+        if self.quant != "nvfp4":
+            return None
+        return torch.tensor([self.global_scale if value is None else value], dtype=torch.float32)
+
+    def kwargs(self, scale: torch.Tensor | None = None) -> dict:
+        kw = dict(quant=self.quant, emit_unquantized=self.emit, swizzled_scales=self.swizzled)
+        if scale is not None:
+            kw["scale"] = scale
+        return kw
+
+
+def fp4_quant(out2d: torch.Tensor, quant: str, swizzled: bool, scale, standalone: bool):
+    """``(q, scales as uint8)`` of a ``(T, H)`` output: ``tpcomm.quant``'s Triton op (``standalone``) or
+    the plain-torch reference (swizzled by ``reference.swizzle_128x4``)."""
+    if standalone:
+        q, s = (mxfp4_quant(out2d, swizzled_scales=swizzled) if quant == "mxfp4"
+                else nvfp4_quant(out2d, scale, swizzled_scales=swizzled))
+    else:
+        q, s = mxfp4_quant_reference(out2d) if quant == "mxfp4" else nvfp4_quant_reference(out2d, scale)
+        s = swizzle_128x4(s) if swizzled else s
+    return q, s.view(torch.uint8)
 
 
 # -- FP8 helpers (CPU and GPU bodies) -----------------------------------------------------------------------
@@ -244,14 +295,9 @@ def special_inputs(xs: list, res, dtype: torch.dtype, rank_of_nan: int) -> None:
 
 
 # -- rank bodies ------------------------------------------------------------------------------------------
-def fp8_case(ctx, case: Fp8Case) -> dict:
-    """Run ``case`` (see the module docstring). Returns the quantised call's ``q`` (uint8), ``scales``,
-    ``residual_out`` and ``out``; ``plain_out`` / ``plain_ro`` of the call without ``quant``;
-    ``std_q`` / ``std_s`` (Triton quant of ``out`` if emitted, else of ``plain_out``) and ``ref_q`` /
-    ``ref_s`` (torch quant of ``plain_out``), both on the ``(T, H)`` view; ``ro_ref`` and ``y32`` (float32
-    reference of the norm); the plan, the launches of the call; and, with ``max_bytes``, ``whole_*``:
-    the same call on a default communicator (one launch)."""
-    comm = ctx.comm(case.max_bytes)
+def case_inputs(ctx, case) -> tuple:
+    """Every rank's ``x``, the residual (or None) and the norm weight of ``case`` (an :class:`Fp8Case` or
+    :class:`Fp4Case`), with its special rows, peak or tiny rows written in."""
     shape, dtype = tuple(case.shape), case.dtype
     H = shape[-1]
     xs = all_inputs(case.seed, ctx.world_size, shape, dtype)
@@ -268,6 +314,19 @@ def fp8_case(ctx, case: Fp8Case) -> dict:
             x.view(-1, H)[0, 0::2] = 0.0
         if res is not None:
             res.view(-1, H)[:2] = 0.0
+    return xs, res, w
+
+
+def fp8_case(ctx, case: Fp8Case) -> dict:
+    """Run ``case`` (see the module docstring). Returns the quantised call's ``q`` (uint8), ``scales``,
+    ``residual_out`` and ``out``; ``plain_out`` / ``plain_ro`` of the call without ``quant``;
+    ``std_q`` / ``std_s`` (Triton quant of ``out`` if emitted, else of ``plain_out``) and ``ref_q`` /
+    ``ref_s`` (torch quant of ``plain_out``), both on the ``(T, H)`` view; ``ro_ref`` and ``y32`` (float32
+    reference of the norm); the plan, the launches of the call; and, with ``max_bytes``, ``whole_*``:
+    the same call on a default communicator (one launch)."""
+    comm = ctx.comm(case.max_bytes)
+    xs, res, w = case_inputs(ctx, case)
+    H, dtype = case.shape[-1], case.dtype
     x = xs[ctx.rank]
     scale = case.scale_tensor()
     with comm.use_algorithm(case.algo):
@@ -307,6 +366,88 @@ def fp8_case(ctx, case: Fp8Case) -> dict:
                                                         **case.kwargs(scale))
         result.update(whole_q=wq.view(torch.uint8), whole_s=ws, whole_ro=wro, whole_out=wout)
     return result
+
+
+def fp4_case(ctx, case: Fp4Case) -> dict:
+    """Run ``case``: the FP4 fused call, the same call without ``quant``, the standalone Triton quant of
+    its ``out`` (``std_*``) and the reference quant of the unquantised call's ``out`` (``ref_*``; also
+    ``ref_linear``, the reference's unswizzled scales); ``ro_ref``, ``y32``, the plan and the launches as
+    :func:`fp8_case`; ``again`` / ``again_ref`` with ``repeat``; ``whole_*`` with ``max_bytes``. Bytes
+    and scales as uint8."""
+    comm = ctx.comm(case.max_bytes)
+    xs, res, w = case_inputs(ctx, case)
+    H = case.shape[-1]
+    x = xs[ctx.rank]
+    g = case.scale_tensor()
+    again, again_values = [], []
+    with comm.use_algorithm(case.algo):
+        before = comm.workspace.epoch() if comm.workspace is not None else 0
+        q, scales, ro, out = comm.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma, **case.kwargs(g))
+        launches = (comm.workspace.epoch() if comm.workspace is not None else 0) - before
+        plain_out, plain_ro = comm.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma)
+        plan = comm.plan("fused_add_rmsnorm", x.numel() * x.element_size(), H, case.dtype).algorithm
+        if case.repeat:
+            other = case.scale_tensor(case.global_scale * 3.0)
+            for value in (case.global_scale * 3.0, case.global_scale / 5.0):
+                if other is not None:
+                    other.fill_(value)  # the second time: the same tensor, a new value (as a CUDA graph replays)
+                aq, as_, _, _ = comm.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma,
+                                                       **case.kwargs(other))
+                again.append((aq, as_.view(torch.uint8)))
+                again_values.append(case.scale_tensor(value))
+    rows = plain_out.reshape(-1, H)
+    own = (out if out is not None else plain_out).reshape(-1, H)
+    std_q, std_s = fp4_quant(own, case.quant, case.swizzled, g, standalone=True)
+    ref_q, ref_s = fp4_quant(rows, case.quant, case.swizzled, g, standalone=False)
+    _, ref_linear = fp4_quant(rows, case.quant, False, g, standalone=False)
+    s_ref = tpcomm.reduce_in_rank_order(xs)
+    _, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, case.eps, case.gemma)
+    y32 = norm_f32(ro_ref if res is not None else s_ref, w, case.eps, case.gemma)
+    result = {"q": q, "scales": scales.view(torch.uint8), "scales_dtype": scales.dtype, "scales_stride": scales.stride(),
+              "ro": ro, "out": out, "plain_out": plain_out, "plain_ro": plain_ro, "std_q": std_q, "std_s": std_s,
+              "ref_q": ref_q, "ref_s": ref_s, "ref_linear": ref_linear, "ro_ref": ro_ref, "y32": y32, "plan": plan,
+              "launches": launches,
+              "again": again, "again_ref": [fp4_quant(rows, case.quant, case.swizzled, v, standalone=False)
+                                            for v in again_values]}
+    if case.max_bytes is not None:
+        whole = ctx.comm()
+        with whole.use_algorithm(case.algo):
+            wq, ws, _, _ = whole.fused_add_rmsnorm(x, res, w, eps=case.eps, gemma=case.gemma, **case.kwargs(g))
+        result.update(whole_q=wq, whole_s=ws.view(torch.uint8))
+    return result
+
+
+def fp4_bound_failure(q2: torch.Tensor, linear: torch.Tensor, y32: torch.Tensor, quant: str,
+                      global_scale: float) -> str | None:
+    """Dequantised FP4 (``reference.mxfp4_dequant_reference`` / ``nvfp4_dequant_reference`` of ``q2`` and
+    the linear scales) within the format's step of the float32 reference ``y32``, NaN exactly in the
+    blocks where it is NaN; None if so. With ``S`` the block's unit (``2^e``, or ``s / global_scale``):
+    ``|deq - y| <= max(|y|, S) / 4 + max(|y| - 6 S, 0) + |y| 2^-7``: half an E2M1 step is at most
+    ``max(|y / S|, 1) / 4`` units, magnitudes past 6 units saturate, and ``out``'s rounding to T is below
+    2^-8 of ``|y|`` (2^-7 leaves room for the order of the mean's sum)."""
+    from tpcomm.reference import mxfp4_dequant_reference, nvfp4_dequant_reference
+
+    block = 32 if quant == "mxfp4" else 16
+    g = torch.tensor([global_scale], dtype=torch.float32)
+    if quant == "mxfp4":
+        deq = mxfp4_dequant_reference(q2, linear)
+        unit = torch.exp2(linear.double() - 127)
+    else:
+        deq = nvfp4_dequant_reference(q2, linear.view(torch.float8_e4m3fn), g)
+        unit = linear.view(torch.float8_e4m3fn).double() / global_scale
+    y = y32.reshape(deq.shape).double()
+    T, H = y.shape
+    nan_blocks = y.isnan().reshape(T, H // block, block).any(-1).repeat_interleave(block, 1)
+    if not torch.equal(deq.isnan(), nan_blocks):
+        return (f"dequantised NaN in {int(deq.isnan().sum())} elements, the reference's NaN blocks hold "
+                f"{int(nan_blocks.sum())}")
+    S = unit.repeat_interleave(block, 1)
+    bound = torch.maximum(y.abs(), S) / 4 + (y.abs() - 6 * S).clamp(min=0) + y.abs() * 2.0 ** -7
+    err = (deq.double() - y).abs()
+    bad = ~nan_blocks & ~(err <= bound)
+    if bad.any():
+        return f"{int(bad.sum())} dequantised values past the FP4 bound, worst {float((err - bound)[bad].max()):.3g}"
+    return None
 
 
 def _bad_fp8_call(comm, name: str):
@@ -357,6 +498,24 @@ def _bad_fp8_call(comm, name: str):
         "scale_with_per_token": lambda: f(x, r, w, quant="fp8_per_token", scale=one),
         "scale_with_per_group": lambda: f(x, r, w, quant="fp8_per_group", group_size=32, scale=one),
         "scale_without_quant": lambda: f(x, r, w, scale=one),
+        # FP4
+        "mxfp4_h_not_multiple": lambda: f(x[:, :80].contiguous(), r[:, :80].contiguous(), w[:80], quant="mxfp4"),
+        "nvfp4_h_not_multiple": lambda: f(x[:, :40].contiguous(), r[:, :40].contiguous(), w[:40], quant="nvfp4",
+                                          scale=one),
+        "nvfp4_without_scale": lambda: f(x, r, w, quant="nvfp4"),
+        "nvfp4_scale_float64": lambda: f(x, r, w, quant="nvfp4", scale=torch.tensor(500.0, dtype=torch.float64)),
+        "nvfp4_scale_nan": lambda: f(x, r, w, quant="nvfp4", scale=torch.tensor([float("nan")])),
+        "mxfp4_with_scale": lambda: f(x, r, w, quant="mxfp4", scale=one),
+        "fp4_fp8_dtype": lambda: f(x, r, w, quant="mxfp4", fp8_dtype=torch.float8_e4m3fnuz),
+        "fp4_group_size": lambda: f(x, r, w, quant="nvfp4", scale=one, group_size=32),
+        "fp4_column_major": lambda: f(x, r, w, quant="mxfp4", column_major_scales=True),
+        "swizzled_with_fp8": lambda: f(x, r, w, quant="fp8_per_token", swizzled_scales=True),
+        "swizzled_without_quant": lambda: f(x, r, w, swizzled_scales=True),
+        "swizzled_not_bool": lambda: f(x, r, w, quant="mxfp4", swizzled_scales=1),
+        "swizzled_3d": lambda: f(x.view(2, 2, 96), r.view(2, 2, 96), w, quant="mxfp4", swizzled_scales=True),
+        "fp4_q_out_shape": lambda: f(x, r, w, quant="mxfp4", q_out=torch.empty(4, 96, dtype=torch.uint8)),
+        "fp4_scales_out_dtype": lambda: f(x, r, w, quant="nvfp4", scale=one,
+                                          scales_out=torch.empty(4, 6, dtype=torch.uint8)),
     }
     return calls[name]
 
@@ -398,6 +557,8 @@ ZERO_TOKEN_CALLS = [
                                              emit_unquantized=True)),
     ("per_group_3d", (2, 0, 64), dict(quant="fp8_per_group", group_size=32)),
     ("static", (0, 64), dict(quant="fp8_static", scale=torch.tensor([0.5]), emit_unquantized=True)),
+    ("mxfp4", (0, 64), dict(quant="mxfp4", emit_unquantized=True)),
+    ("nvfp4_swizzled", (0, 64), dict(quant="nvfp4", scale=torch.tensor([500.0]), swizzled_scales=True)),
 ]
 
 
@@ -425,14 +586,17 @@ def fp8_zero_tokens_case(ctx) -> dict:
 
 
 def static_ops_case(ctx) -> dict:
-    """``quant="fp8_static"`` through ``tpcomm.ops``: ``{name: bool or error text}``.
+    """``quant="fp8_static"`` (and the FP4 forms) through ``tpcomm.ops``: ``{name: bool or error text}``.
 
     ``wrapper``: ``tops.fused_add_rmsnorm`` gives the method's bytes, ``residual_out`` and ``out``, and
     the input scale itself as its scales; ``out_form``: the same with ``q_out`` and ``residual_out``
     given (``tpcomm::fused_add_rmsnorm_fp8_out``), written in place; ``opcheck`` / ``opcheck_out``:
-    ``torch.library.opcheck`` of the allocating op with a scale; ``compiled`` / ``compiled_new_value``:
+    ``torch.library.opcheck`` of the allocating op with a scale; ``fp4_wrapper``: NVFP4 with swizzled
+    scales through the wrapper, as the method; ``fp4_out_form``: MXFP4 into given ``q_out`` and
+    ``scales_out``; ``compiled`` / ``compiled_new_value``:
     ``torch.compile(fullgraph=True, backend="aot_eager")`` of a function making the call, bit-identical to
-    eager, then with the scale's value changed in place (no recompilation: ``frames`` stays 1)."""
+    eager (with an NVFP4 call beside it), then with the scales' values changed in place (no recompilation:
+    ``frames`` stays 1)."""
     import traceback
 
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -460,6 +624,17 @@ def static_ops_case(ctx) -> dict:
                                                residual_out=ro_buf)
     got["out_form"] = (bq is q_buf and bs is scale and bro is ro_buf and bout is None and same_u8(q_buf, q)
                        and torch.equal(ro_buf, ro))
+    g = torch.tensor([500.0])
+    m4 = comm.fused_add_rmsnorm(x, res, w, quant="nvfp4", scale=g, swizzled_scales=True, emit_unquantized=True)
+    o4 = tops.fused_add_rmsnorm(comm, x, res, w, quant="nvfp4", scale=g, swizzled_scales=True,
+                                emit_unquantized=True)
+    got["fp4_wrapper"] = (same_u8(o4[0], m4[0]) and same_u8(o4[1], m4[1]) and o4[1].shape == (128, 4)
+                          and torch.equal(o4[2], m4[2]) and torch.equal(o4[3], m4[3]))
+    q4_buf, s4_buf = torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8), torch.empty(2, 1, dtype=torch.uint8)
+    b4 = tops.fused_add_rmsnorm(comm, x, res, w, quant="mxfp4", q_out=q4_buf, scales_out=s4_buf)
+    r4 = mxfp4_quant_reference(m4[3])
+    got["fp4_out_form"] = (b4[0] is q4_buf and b4[1] is s4_buf and torch.equal(q4_buf, r4[0])
+                           and torch.equal(s4_buf, r4[1]))
     # the out op is not opchecked: its schema test compares the mutated FP8 output with allclose, which
     # torch (2.13, CPU) does not implement for float8
     try:
@@ -472,16 +647,21 @@ def static_ops_case(ctx) -> dict:
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
 
-    def step(x, res, scale):
+    def step(x, res, scale, g):
         q, _, ro, _ = tops.fused_add_rmsnorm(comm, x, res, w, quant="fp8_static", scale=scale)
-        return q, ro
+        q4, s4, _, _ = tops.fused_add_rmsnorm(comm, x, res, w, quant="nvfp4", scale=g, swizzled_scales=True)
+        return q, ro, q4, s4
 
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     with torch.inference_mode():
-        cq, cro = compiled(x, res, scale)
-        got["compiled"] = same_u8(cq, q) and torch.equal(cro, ro)
+        cq, cro, cq4, cs4 = compiled(x, res, scale, g)
+        got["compiled"] = (same_u8(cq, q) and torch.equal(cro, ro) and same_u8(cq4, m4[0])
+                           and same_u8(cs4, m4[1]))
         scale.fill_(0.02)
-        cq, _ = compiled(x, res, scale)
-        got["compiled_new_value"] = same_u8(cq, static_quant_fp8(out, scale))
+        g.fill_(900.0)
+        cq, _, cq4, cs4 = compiled(x, res, scale, g)
+        n4 = nvfp4_quant(out, g, swizzled_scales=True)
+        got["compiled_new_value"] = (same_u8(cq, static_quant_fp8(out, scale)) and same_u8(cq4, n4[0])
+                                     and same_u8(cs4, n4[1]))
     got["frames"] = counter.frame_count
     return got

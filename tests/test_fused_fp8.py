@@ -276,11 +276,26 @@ BAD = {
     "scale_with_per_token": ("scale", ["fp8_static", "fp8_per_token"]),
     "scale_with_per_group": ("scale", ["fp8_static", "fp8_per_group"]),
     "scale_without_quant": ("scale", ["fp8_static", "ignored"]),
+    "mxfp4_h_not_multiple": ("H=80", ["mxfp4", "block size 32"]),
+    "nvfp4_h_not_multiple": ("H=40", ["nvfp4", "block size 16"]),
+    "nvfp4_without_scale": ("scale", ["nvfp4", "global scale"]),
+    "nvfp4_scale_float64": ("scale", ["torch.float64", "float32"]),
+    "nvfp4_scale_nan": ("scale", ["nan", "finite positive"]),
+    "mxfp4_with_scale": ("scale", ["nvfp4", "mxfp4"]),
+    "fp4_fp8_dtype": ("fp8_dtype", ["FP8 forms", "mxfp4"]),
+    "fp4_group_size": ("group_size", ["FP8 forms", "nvfp4"]),
+    "fp4_column_major": ("column_major_scales", ["FP8 forms", "mxfp4"]),
+    "swizzled_with_fp8": ("swizzled_scales", ["FP4 forms"]),
+    "swizzled_without_quant": ("swizzled_scales", ["mxfp4", "ignored"]),
+    "swizzled_not_bool": ("swizzled_scales", ["bool", "int"]),
+    "swizzled_3d": ("swizzled_scales", ["(2, 2, 96)"]),
+    "fp4_q_out_shape": ("q_out", ["(4, 48)", "torch.uint8"]),
+    "fp4_scales_out_dtype": ("scales_out", ["(4, 6)", "torch.float8_e4m3fn"]),
 }
 #: The names of BAD that raise TypeError (a flag that is not a bool, a static scale of another type or
 #: dtype); the rest raise ValueError.
 TYPE_ERRORS = {"emit_not_bool", "column_major_not_bool", "static_scale_float64", "static_scale_bf16",
-               "static_scale_python_float"}
+               "static_scale_python_float", "nvfp4_scale_float64", "swizzled_not_bool"}
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +348,10 @@ def test_zero_tokens(pool2):
         "per_group_column_major": ((0, 64), FN, (0, 2), True),
         "per_group_3d": ((2, 0, 64), FN, (2, 0, 2), False),
         "static": ((0, 64), FN, (1,), True),
+        "mxfp4": ((0, 32), torch.uint8, (0, 2), True),
+        "nvfp4_swizzled": ((0, 32), torch.uint8, (0, 4), False),
     }
+    x_shape = {name: shape for name, shape, _ in fc.ZERO_TOKEN_CALLS}
     check = Checks()
     for r, res in enumerate(results):
         check.that(res["epoch"] == res["epoch_after"], f"rank {r}: zero-token calls launched "
@@ -341,9 +359,10 @@ def test_zero_tokens(pool2):
         for name, (qshape, qdtype, sshape, emitted) in expected.items():
             q, s, ro, out = res["calls"][name]
             check.that(q[:2] == (qshape, qdtype), f"rank {r}: {name}: q {q}")
-            check.that(s[:2] == (sshape, torch.float32), f"rank {r}: {name}: scales {s}")
-            check.that(ro is not None and ro[0] == qshape, f"rank {r}: {name}: residual_out {ro}")
-            check.that((out is not None) == emitted and (out is None or out[0] == qshape),
+            sdtype = {"mxfp4": torch.uint8, "nvfp4_swizzled": FN}.get(name, torch.float32)
+            check.that(s[:2] == (sshape, sdtype), f"rank {r}: {name}: scales {s}")
+            check.that(ro is not None and ro[0] == x_shape[name], f"rank {r}: {name}: residual_out {ro}")
+            check.that((out is not None) == emitted and (out is None or out[0] == x_shape[name]),
                        f"rank {r}: {name}: out {out}")
         (q, s), (rq, rs) = res["after"], res["after_ref"]
         _u8_equal(check, q, rq, f"rank {r}: the call after, bytes")
@@ -352,13 +371,102 @@ def test_zero_tokens(pool2):
 
 
 def test_static_form_through_the_ops_and_torch_compile(pool2):
-    """``quant="fp8_static"`` through ``tpcomm.ops`` (allocating and out forms), ``torch.library.opcheck``
+    """``quant="fp8_static"`` and the FP4 forms through ``tpcomm.ops`` (allocating and out forms),
+    ``torch.library.opcheck``
     of the allocating op with a scale, and ``torch.compile(fullgraph=True)``: the method's bytes, the input
     scale returned as the scales, and a compiled call that reads the scale's current value (one frame).
     One world size: the ops wrap the method, whose numerics the tests above cover on both."""
     check = Checks()
     for r, got in enumerate(pool2.run(fc.static_ops_case)):
-        for name in ("wrapper", "out_form", "opcheck", "compiled", "compiled_new_value"):
+        for name in ("wrapper", "out_form", "fp4_wrapper", "fp4_out_form", "opcheck", "compiled", "compiled_new_value"):
             check.that(got[name] is True, f"rank {r}: {name}: {got[name]}")
         check.that(got["frames"] == 1, f"rank {r}: compiled {got['frames']} frames, expected 1")
     check.done()
+
+
+# -- FP4 outputs ----------------------------------------------------------------------------------------------
+def _f4(seed, algo, dtype, quant, swizzled, residual, gemma, emit, shape, **kw):
+    return fc.Fp4Case(seed=seed, shape=shape, dtype=dtype, algo=algo, quant=quant, swizzled=swizzled,
+                      residual=residual, gemma=gemma, emit=emit, **kw)
+
+
+#: MXFP4 and NVFP4 in every algorithm at both world sizes, linear and swizzled scales, each input dtype;
+#: special rows (zeros, a dominant element, a NaN, huge values) twice per form; chunked launches of
+#: swizzled scales (each launch's rows land at their own offsets of the 128x4 layout), 3-D inputs, rows
+#: of two tiles; ``repeat`` checks repeated calls (the call cache's replay: new swizzled buffers zeroed).
+FP4_CASES = [
+    (2, _f4(61, "lamport", BF16, "mxfp4", False, True, False, True, (4, 64), special=True, repeat=True)),
+    (3, _f4(62, "lamport", FP16, "nvfp4", True, False, True, False, (3, 64))),
+    (2, _f4(63, "lamport", BF16, "nvfp4", True, True, False, False, (5, 64), max_bytes=CHUNK_MAX_BYTES)),
+    (3, _f4(64, "one_shot", BF16, "mxfp4", True, True, True, True, (4, 96), special=True)),
+    (2, _f4(65, "one_shot", FP32, "nvfp4", False, False, False, False, (2, 8320), peak=True, repeat=True)),
+    (2, _f4(66, "two_shot", FP16, "nvfp4", False, True, False, True, (3, 2, 64), special=True, repeat=True)),
+    (3, _f4(67, "two_shot", BF16, "mxfp4", True, False, False, True, (4, 64), max_bytes=CHUNK_MAX_BYTES)),
+    (2, _f4(68, "fallback", FP32, "mxfp4", True, True, True, False, (5, 96), repeat=True)),
+    (3, _f4(69, "fallback", BF16, "nvfp4", False, True, False, True, (4, 64), special=True)),
+]
+
+
+def fp4_case_id(world, case):
+    flags = "".join(f for f, on in (("-swz", case.swizzled), ("-res", case.residual), ("-gemma", case.gemma),
+                                   ("-emit", case.emit), ("-special", case.special), ("-peak", case.peak),
+                                   ("-chunked", case.max_bytes is not None)) if on)
+    return f"w{world}-{case.algo}-{dtype_name(case.dtype)}-{case.quant}-{'x'.join(map(str, case.shape))}{flags}"
+
+
+def check_fp4_case(case, results):
+    check = Checks()
+    H = case.shape[-1]
+    block = 32 if case.quant == "mxfp4" else 16
+    lead = case.shape[:-1]
+    T = 1
+    for n in lead:
+        T *= n
+    if case.swizzled:
+        s_shape = (-(-T // 128) * 128, -(-(H // block) // 4) * 4)
+    else:
+        s_shape = (*lead, H // block)
+    s_dtype = torch.uint8 if case.quant == "mxfp4" else FN
+    for r, res in enumerate(results):
+        p = f"rank {r}"
+        check.that(res["plan"] == case.algo, f"{p}: plan {res['plan']!r}, expected {case.algo!r}")
+        check.that(res["q"].dtype == torch.uint8 and tuple(res["q"].shape) == (*lead, H // 2),
+                   f"{p}: q {res['q'].dtype} {tuple(res['q'].shape)}")
+        check.that(res["scales_dtype"] == s_dtype and tuple(res["scales"].shape) == s_shape,
+                   f"{p}: scales {res['scales_dtype']} {tuple(res['scales'].shape)}, expected {s_dtype} {s_shape}")
+        if case.emit:
+            check.that(res["out"] is not None, f"{p}: emit_unquantized=True but out is None")
+            if res["out"] is not None:
+                check(assert_same_bits, res["out"], res["plain_out"], f"{p}: out vs the call without quant")
+        else:
+            check.that(res["out"] is None, f"{p}: out returned without emit_unquantized")
+        if case.residual:
+            check(assert_same_bits, res["ro"], res["plain_ro"], f"{p}: residual_out vs the call without quant")
+        q2 = res["q"].reshape(-1, H // 2)
+        s2 = res["scales"].reshape(-1, res["scales"].shape[-1])
+        _u8_equal(check, q2, res["std_q"], f"{p}: bytes vs tpcomm.quant of out")
+        _u8_equal(check, s2, res["std_s"], f"{p}: scales vs tpcomm.quant of out")
+        _u8_equal(check, q2, res["ref_q"], f"{p}: bytes vs the reference quant of the unquantised call's out")
+        _u8_equal(check, s2, res["ref_s"], f"{p}: scales vs the reference quant of the unquantised call's out")
+        failure = fc.fp4_bound_failure(q2, res["ref_linear"], res["y32"], case.quant, case.global_scale)
+        check.that(failure is None, f"{p}: {failure}")
+        for k, ((aq, as_), (rq, rs)) in enumerate(zip(res["again"], res["again_ref"])):
+            _u8_equal(check, aq.reshape(-1, H // 2), rq, f"{p}: repeated call {k + 1}, bytes")
+            _u8_equal(check, as_.reshape(-1, as_.shape[-1]), rs, f"{p}: repeated call {k + 1}, scales")
+        check.that(len(res["again"]) == (2 if case.repeat else 0), f"{p}: {len(res['again'])} repeated calls")
+        if "whole_q" in res:
+            check.that(res["launches"] > 1, f"{p}: {res['launches']} launch(es) with max_bytes={case.max_bytes}")
+            _u8_equal(check, res["q"], res["whole_q"], f"{p}: bytes, chunked vs one launch")
+            _u8_equal(check, res["scales"], res["whole_s"], f"{p}: scales, chunked vs one launch")
+    for r in range(1, len(results)):
+        _u8_equal(check, results[r]["q"], results[0]["q"], f"rank {r} vs rank 0 bytes")
+        _u8_equal(check, results[r]["scales"], results[0]["scales"], f"rank {r} vs rank 0 scales")
+    check.done()
+
+
+@pytest.mark.parametrize("world,case", FP4_CASES, ids=[fp4_case_id(w, c) for w, c in FP4_CASES])
+def test_fused_fp4_equals_standalone_quant_of_out(pools, world, case):
+    """MXFP4 / NVFP4 bytes and block scales of the fused call equal ``tpcomm.mxfp4_quant`` /
+    ``nvfp4_quant`` of its ``out`` and the references of the unquantised call's ``out`` (linear or
+    swizzled), on every rank alike; dequantised within the format's step of the float32 reference."""
+    check_fp4_case(case, pools.get(world).run(fc.fp4_case, case))

@@ -178,8 +178,9 @@ def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
 
 def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
               emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool,
-              scale=None) -> tuple | None:
-    """Key of ``fused_add_rmsnorm``; ``scale``: the input scale of ``quant='fp8_static'`` (or None)."""
+              scale=None, swizzled_scales=False) -> tuple | None:
+    """Key of ``fused_add_rmsnorm``; ``scale``: the input scale of ``quant='fp8_static'`` or ``'nvfp4'``
+    (or None)."""
     if not _tensor(x) or not _tensor(weight) or not _plain(residual):
         return None
     if scale is not None:  # a static scale: its layout, and its 16-byte alignment on CUDA
@@ -195,9 +196,9 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
            weight is residual) + scale_key
     key += (None,) if residual is None else (residual.shape, residual.dtype, residual.stride(), residual.device)
     if quant is not None or fp8_dtype is not _E4M3 or group_size.__class__ is not int or group_size != 128 \
-            or column_major_scales is not False or emit_unquantized is not False:
+            or column_major_scales is not False or emit_unquantized is not False or swizzled_scales is not False:
         key += ("fp8", fp8_dtype, group_size.__class__, group_size, column_major_scales.__class__, column_major_scales,
-                emit_unquantized.__class__, emit_unquantized)
+                emit_unquantized.__class__, emit_unquantized, swizzled_scales.__class__, swizzled_scales)
     if out is None and residual_out is None and q_out is None and scales_out is None:
         return key + (alignment(x, residual, weight) if cuda else 0,)
     if not _plain(out, residual_out, q_out, scales_out):
@@ -234,10 +235,11 @@ def all_reduce_hit(comm, entry: CachedCall, x, out):
 
 def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out, scale=None):
     """A repeated ``fused_add_rmsnorm``, or None: take the full path (a given output overlaps an input or
-    another output). ``entry.spec``: ``(quant, emit_unquantized)``; ``entry.outputs``: out,
+    another output). ``entry.spec``: ``(quant, emit_unquantized, swizzled_scales)``; ``entry.outputs``: out,
     residual_out, q, scales (None for a static scale: ``scale``, the input, is the kernels' scales
-    argument and the returned scales). A static scale on the CPU is read, as the full path reads it: a
-    value that is not finite and positive takes the full path, which raises."""
+    argument and the returned scales). ``scale`` (static FP8's, NVFP4's global one) is the replays' last
+    tensor; on the CPU it is read, as the full path reads it: a value that is not finite and positive
+    takes the full path, which raises."""
     if scale is not None and not scale.is_cuda and not 0.0 < float(scale.reshape(())) < _INF:
         return None
     if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
@@ -249,13 +251,16 @@ def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q
         out = _new(o, x)
     if ro is not None and residual_out is None:
         residual_out = _new(ro, x)
-    quant, emit = entry.spec
+    quant, emit, swizzled = entry.spec
     if quant is None:
-        comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None))
+        comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None, None))
         return out, residual_out
     q = q_out if qo is None else _new(qo, x)
-    scales = (scale if scale is not None else scales_out) if so is None else _new(so, x)
-    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q, scales))
+    if so is None:
+        scales = scale if quant == "fp8_static" else scales_out
+    else:  # a new swizzled FP4 buffer's padding is zero, as the full path allocates it
+        scales = torch.zeros(so[0], dtype=so[2], device=so[3]) if swizzled else _new(so, x)
+    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q, scales, scale))
     return q, scales, residual_out, (out if emit else None)
 
 

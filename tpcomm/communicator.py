@@ -302,7 +302,7 @@ class Communicator:
                           eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
                           fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
                           column_major_scales: bool = False, emit_unquantized: bool = False, *,
-                          scale: torch.Tensor | None = None,
+                          scale: torch.Tensor | None = None, swizzled_scales: bool = False,
                           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                           q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None):
         """All-reduce ``x``, add ``residual``, RMSNorm — in one kernel.
@@ -328,17 +328,27 @@ class Communicator:
                 :func:`~tpcomm.quant.per_group_quant_fp8` (``ue8m0=True`` for the third form) applied to
                 the unquantised ``out``. ``"fp8_static"``: one calibrated ``scale`` for the whole tensor,
                 ``q = fp8(out * f32(1 / scale))`` (docs/numerics.md, "Static per-tensor FP8"), the bytes
-                of :func:`tpcomm.quant.static_quant_fp8` applied to ``out``.
+                of :func:`tpcomm.quant.static_quant_fp8` applied to ``out``. ``"mxfp4"`` / ``"nvfp4"``:
+                E2M1 codes packed two to a byte with a scale per block of 32 (E8M0) or 16 (e4m3fn, from
+                the global ``scale``), the bytes and scales of :func:`tpcomm.quant.mxfp4_quant` (the
+                spec's ``"floor"`` rule) / :func:`~tpcomm.quant.nvfp4_quant` applied to ``out``
+                (docs/numerics.md, "MXFP4", "NVFP4"); H a multiple of the block.
             fp8_dtype: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz`` (MAX 240).
             group_size: elements per scale of the per-group forms (default 128, DeepSeek-V3's 1 x 128);
                 a power of two that divides H. Another value with ``fp8_per_token`` raises ValueError.
             column_major_scales: the per-group forms only, ``x`` 2-D: return the scales as the transpose
                 view of a contiguous ``(H / group_size, T)`` tensor (the layout grouped GEMMs read).
             emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
-            scale: with ``quant="fp8_static"`` only (and then required): float32 tensor of one element
-                (shape ``()``, ``(1,)`` or ``(1, 1)``) on this device, finite and positive; read by the
-                kernel, so a CUDA graph replays with its current value. Its value is checked on CPU
-                only (a CUDA scale is not read on the host: a bad one gives NaN or saturated bytes).
+            scale: with ``quant="fp8_static"`` (the calibrated scale) or ``"nvfp4"`` (the global scale,
+                TensorRT-LLM's ``448 * 6 / amax``) only, and then required: float32 tensor of one element
+                (shape ``()``, ``(1,)`` or ``(1, 1)``) on this device, finite and positive, the same on
+                every rank; read by the kernel, so a CUDA graph replays with its current value. Its
+                value is checked on CPU only (a CUDA scale is not read on the host: a bad one gives NaN,
+                zero or saturated bytes).
+            swizzled_scales: the FP4 forms only, ``x`` 2-D: return the block scales in the 128x4 layout
+                of SM100 FP4 GEMMs (a zero-padded contiguous ``(ceil(T / 128) * 128, ceil(H / block /
+                4) * 4)`` tensor, :func:`tpcomm.reference.swizzle_128x4`); a given ``scales_out`` keeps
+                its padding as it is.
             out, residual_out: where to write ``out`` and ``residual_out`` instead of new tensors:
                 contiguous, ``x``'s shape and dtype; ``residual_out`` may be ``residual`` itself (the
                 residual updated in place, as engines call ``fused_add_rms_norm``). With ``quant``,
@@ -351,7 +361,9 @@ class Communicator:
             ``residual_out`` is None without a residual. With ``quant``: ``(q, scales, residual_out,
             out)``: ``q`` shaped like ``x`` in ``fp8_dtype``; ``scales`` float32 ``(..., 1)`` per token
             or ``(..., H / group_size)`` per group, ``scale`` itself (the same object) for
-            ``fp8_static``; ``out`` None unless ``emit_unquantized``. Identical
+            ``fp8_static``; FP4: ``q`` ``(..., H / 2)`` uint8 and the block scales, uint8 E8M0 bytes
+            (MXFP4) or ``torch.float8_e4m3fn`` (NVFP4), ``(..., H / block)`` or swizzled; ``out`` None
+            unless ``emit_unquantized``. Identical
             bits on every rank, for every algorithm. Safe in CUDA graphs. Messages larger than
             ``max_bytes`` run in chunks of rows.
         Raises:
@@ -369,7 +381,7 @@ class Communicator:
         op = "fused_add_rmsnorm"
         key = call_cache.fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
                                    column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out,
-                                   self.algorithm, self._cuda, scale)
+                                   self.algorithm, self._cuda, scale, swizzled_scales)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
             outs = call_cache.fused_hit(self, entry, x, residual, weight, out, residual_out, q_out, scales_out,
@@ -383,14 +395,16 @@ class Communicator:
         if residual is not None and residual.is_neg():
             residual = residual.resolve_neg()
         if quant is None:
-            check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale)
+            check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
+                                   swizzled_scales)
         validate.check_fused_outputs(op, x, residual, weight, quant, emit_unquantized, out, residual_out,
                                      self.device)
         H = x.shape[-1]
         T = x.numel() // H if H else 0
         qout = None
         if quant is not None:
-            qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale)
+            qout = fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                               swizzled_scales)
         else:
             validate.check_fp8_outputs(op, x, None, q_out, scales_out, None, fp8_dtype, self.device)
         plan = self.plan(op, x.numel() * x.element_size(), H, x.dtype) if x.numel() else None
@@ -441,8 +455,8 @@ class Communicator:
         if launched is not None:
             new = [None if g is not None else t for t, g in zip(outputs, given)]  # static: scales None
             self._remember(key, launched, (x, residual, weight, out, residual_out,
-                                           launch_quant and launch_quant.q, launch_quant and launch_quant.scales),
-                           (quant, emit_unquantized), (new + [None, None])[:4])
+                                           launch_quant and launch_quant.q, launch_quant and launch_quant.scales,
+                                           scale), (quant, emit_unquantized, swizzled_scales), (new + [None, None])[:4])
         return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:

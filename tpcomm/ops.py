@@ -7,15 +7,16 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
     torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual?, weight, eps, gemma) -> Tensor[]
         # [out, residual_out] with a residual, [out] without one
     torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
-                                          group_size, column_major_scales, emit_unquantized, scale?) -> Tensor[]
+                                          group_size, column_major_scales, emit_unquantized, scale?,
+                                          swizzled_scales) -> Tensor[]
         # [q, scales] + [residual_out] with a residual + [out] with emit_unquantized;
         # quant="fp8_static": [q] + ..., the scale is the input scale (an op returns no alias of an input)
     torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual?, weight, eps, gemma, out, residual_out?) -> ()
         # writes out and residual_out; residual_out None: the residual in place
     torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
                                               group_size, column_major_scales, q, scales?, residual_out?,
-                                              out?, scale?) -> ()   # out given: emit_unquantized;
-                                                                    # scales None with fp8_static
+                                              out?, scale?, swizzled_scales) -> ()
+        # out given: emit_unquantized; scales None with fp8_static
     torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
     torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
 
@@ -201,33 +202,36 @@ def _(handle, x, residual, weight, eps, gemma):
 @torch.library.custom_op("tpcomm::fused_add_rmsnorm_fp8", mutates_args=(),
                          schema="(int handle, Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma, "
                                 "str quant, ScalarType fp8_dtype, int group_size, bool column_major_scales, "
-                                "bool emit_unquantized, Tensor? scale=None) -> Tensor[]")
+                                "bool emit_unquantized, Tensor? scale=None, bool swizzled_scales=False) -> Tensor[]")
 def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-                  emit_unquantized, scale=None):
+                  emit_unquantized, scale=None, swizzled_scales=False):
     comm = lookup(handle)
     graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
-                                        f"unquantized={emit_unquantized})", x, residual, weight, scale))
+                                        f"swizzled={swizzled_scales}, unquantized={emit_unquantized})",
+                                        x, residual, weight, scale))
     q, scales, residual_out, out = comm.fused_add_rmsnorm(
         x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype, group_size=group_size,
-        column_major_scales=column_major_scales, emit_unquantized=emit_unquantized, scale=scale)
-    if scale is not None:
+        column_major_scales=column_major_scales, emit_unquantized=emit_unquantized, scale=scale,
+        swizzled_scales=swizzled_scales)
+    if quant == "fp8_static":
         scales = None  # the input scale itself: the wrapper returns it
     return [t for t in (q, scales, residual_out, out) if t is not None]
 
 
 @_fused_fp8_op.register_fake
 def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-      emit_unquantized, scale=None):
+      emit_unquantized, scale=None, swizzled_scales=False):
     from .quant import fp8_outputs
 
     # the communicator's own allocation (and validation): the same shapes and strides (column-major
     # scales are the transpose of a contiguous (H / group_size, T) tensor)
-    outs = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales, scale=scale)
+    outs = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales, scale=scale,
+                       swizzled_scales=swizzled_scales)
     extra = [torch.empty(x.shape, dtype=x.dtype, device=x.device)] if residual is not None else []
     if emit_unquantized:
         extra.append(torch.empty(x.shape, dtype=x.dtype, device=x.device))
-    return [outs.q_fp8] + ([] if scale is not None else [outs.scales_view]) + extra
+    return [outs.q_fp8] + ([] if quant == "fp8_static" else [outs.scales_view]) + extra
 
 
 # Out forms: the caller's tensors receive the outputs. ``residual_out=None`` with a residual means the
@@ -253,23 +257,25 @@ def _(handle, x, residual, weight, eps, gemma, out, residual_out):
                          schema="(int handle, Tensor x, Tensor(a!)? residual, Tensor weight, float eps, bool gemma, "
                                 "str quant, ScalarType fp8_dtype, int group_size, bool column_major_scales, "
                                 "Tensor(b!) q, Tensor(c!)? scales, Tensor(d!)? residual_out, Tensor(e!)? out, "
-                                "Tensor? scale=None) -> ()")
+                                "Tensor? scale=None, bool swizzled_scales=False) -> ()")
 def _fused_fp8_out_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-                      q, scales, residual_out, out, scale=None) -> None:
+                      q, scales, residual_out, out, scale=None, swizzled_scales=False) -> None:
     comm = lookup(handle)
     graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
-                                        f"unquantized={out is not None})", x, residual, weight, scale)
+                                        f"swizzled={swizzled_scales}, unquantized={out is not None})",
+                                        x, residual, weight, scale)
                        + _unaligned(q, scales, residual_out, out))
     comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype,
                            group_size=group_size, column_major_scales=column_major_scales,
                            emit_unquantized=out is not None, out=out, q_out=q, scales_out=scales,
-                           residual_out=residual if residual_out is None else residual_out, scale=scale)
+                           residual_out=residual if residual_out is None else residual_out, scale=scale,
+                           swizzled_scales=swizzled_scales)
 
 
 @_fused_fp8_out_op.register_fake
 def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales, q, scales,
-      residual_out, out, scale=None):
+      residual_out, out, scale=None, swizzled_scales=False):
     return None
 
 
@@ -359,7 +365,7 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
                       eps: float = 1e-6, gemma: bool = False, quant: str | None = None,
                       fp8_dtype: torch.dtype = torch.float8_e4m3fn, group_size: int = DEFAULT_GROUP_SIZE,
                       column_major_scales: bool = False, emit_unquantized: bool = False, *,
-                      scale: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None, swizzled_scales: bool = False,
                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                       q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None):
     """``comm.fused_add_rmsnorm(...)`` through the op ``tpcomm::fused_add_rmsnorm`` (or
@@ -380,10 +386,10 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         weight: ``(H,)``, a float dtype.
         eps: >= 0, added to the mean square (default 1e-6, the Communicator's default).
         gemma: use ``1 + w`` (Gemma-style norms).
-        quant, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale: as
+        quant, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales: as
             :meth:`tpcomm.Communicator.fused_add_rmsnorm` (defaults are its defaults; ``scale``, the
-            input of ``fp8_static``, is an argument of the op, so a compiled graph or a CUDA graph reads
-            its current value).
+            input of ``fp8_static`` and ``nvfp4``, is an argument of the op, so a compiled graph or a CUDA
+            graph reads its current value).
         out, residual_out, q_out, scales_out: outputs to write, as the method takes them
             (``residual_out=residual`` updates the residual in place); with any of them the call goes
             through ``tpcomm::fused_add_rmsnorm_out`` (or ``fused_add_rmsnorm_fp8_out``), which mutates
@@ -398,15 +404,17 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
     handle = handle_of(comm)
     if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
         return _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
-                          column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out, scale)
+                          column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out, scale,
+                          swizzled_scales)
     if quant is None:  # the method refuses these options too; the op has no slot for them
         check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized,
-                               scale)
+                               scale, swizzled_scales)
         outs = torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual, weight, eps, gemma)
         return (outs[0], None) if residual is None else (outs[0], outs[1])
     outs = torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
-                                                  group_size, column_major_scales, emit_unquantized, scale)
-    if scale is not None:  # fp8_static (the method refuses a scale with another form): the op returns no scales
+                                                  group_size, column_major_scales, emit_unquantized, scale,
+                                                  swizzled_scales)
+    if quant == "fp8_static":  # the op returns no scales: they are the input scale
         q, scales, rest = outs[0], scale, list(outs[1:])
     else:
         q, scales, rest = outs[0], outs[1], list(outs[2:])
@@ -416,7 +424,7 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
 
 
 def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-               emit_unquantized, out, residual_out, q_out, scales_out, scale=None):
+               emit_unquantized, out, residual_out, q_out, scales_out, scale=None, swizzled_scales=False):
     """:func:`fused_add_rmsnorm` with given outputs: the missing ones allocated here, as the method would
     (so the op always has every output to mutate)."""
     # Outputs that are inputs themselves (the method refuses them; under torch.compile the op would get a
@@ -447,7 +455,7 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
     passed_residual_out = None if in_place else residual_out
     if quant is None:
         check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized,
-                               scale)
+                               scale, swizzled_scales)
         if q_out is not None or scales_out is not None:
             raise ValueError("fused_add_rmsnorm: q_out and scales_out need a quant form (quant='fp8_per_token', "
                              "'fp8_per_group', 'fp8_per_group_ue8m0' or 'fp8_static')")
@@ -462,7 +470,7 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
                          "unquantised output is written)")
     if out is None and emit_unquantized:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if quant == "fp8_static" or scale is not None:  # no scales to write
+    if quant == "fp8_static":  # no scales to write
         fresh = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales, q_out,
                             scales_out, scale)  # the method's validation, here where the objects are known
         torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
@@ -471,11 +479,11 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
         return fresh.q_fp8, scale, residual_out, out
     if q_out is None or scales_out is None:  # the method's own allocation (and validation) of the rest
         fresh = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales, q_out,
-                            scales_out)
+                            scales_out, scale, swizzled_scales)
         q_out, scales_out = fresh.q_fp8, fresh.scales_view
     torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
                                                group_size, column_major_scales, q_out, scales_out,
-                                               passed_residual_out, out)
+                                               passed_residual_out, out, scale, swizzled_scales)
     return q_out, scales_out, residual_out, out
 
 

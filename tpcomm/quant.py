@@ -29,7 +29,8 @@ from .dispatch import row_config
 from .env import interpreter_enabled, interpreter_problem
 from .kernels import fp4 as _fp4
 from .kernels import quant as _k
-from .kernels.epilogue import QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN, QUANT_STATIC, QuantOut
+from .kernels.epilogue import (QUANT_MXFP4, QUANT_NVFP4, QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN,
+                               QUANT_STATIC, QuantOut)
 from .validate import check_fp8_outputs
 
 #: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).
@@ -367,9 +368,12 @@ def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
 
 # -- outputs of the fused op ------------------------------------------------------------------------
 #: ``quant`` choices of ``fused_add_rmsnorm``.
-QUANT_MODES = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static")
+QUANT_MODES = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static", "mxfp4", "nvfp4")
 #: The per-group forms (they take ``group_size`` and ``column_major_scales``).
 GROUP_MODES = ("fp8_per_group", "fp8_per_group_ue8m0")
+#: The FP4 forms, their block sizes and scale dtypes (they take ``swizzled_scales``; nvfp4 its global
+#: scale as ``scale``).
+FP4_BLOCKS = {"mxfp4": (32, torch.uint8), "nvfp4": (16, torch.float8_e4m3fn)}
 #: FP8 formats and their Triton types (e4m3fn: MAX 448; e4m3fnuz: MAX 240).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -379,11 +383,14 @@ class Fp8Outputs:
     """The tensors a quantised fused call returns, and how the kernels address them.
 
     Attributes:
-        q_fp8: ``x``'s shape, ``fp8_dtype``.
+        q_fp8: ``x``'s shape, ``fp8_dtype``; FP4: ``(..., H / 2)`` uint8, two codes a byte.
         scales_view: float32 scales as returned: ``(..., 1)`` per token, ``(..., H / g)`` per group
             (row-major), or ``(T, H / g)`` as the transpose of a contiguous ``(H / g, T)`` (column-major);
-            static: the caller's one-element scale itself (an input, which the kernels only read).
-        mode, fp8_dtype, group_size, column_major: the request.
+            static: the caller's one-element scale itself (an input, which the kernels only read); FP4:
+            the block scales, ``(..., H / block)`` (uint8 E8M0 bytes or e4m3fn) or the zero-padded
+            contiguous 128x4 buffer ``(ceil(T / 128) * 128, ceil(H / block / 4) * 4)``.
+        mode, fp8_dtype, group_size, column_major, swizzled: the request.
+        in_scale: static FP8's scale or NVFP4's global scale (read by the kernels), else None.
     """
 
     q_fp8: torch.Tensor
@@ -392,14 +399,19 @@ class Fp8Outputs:
     fp8_dtype: torch.dtype
     group_size: int
     column_major: bool
+    swizzled: bool = False
+    in_scale: torch.Tensor | None = None
 
     def launch_args(self, device: torch.device, store_out: bool) -> QuantOut:
         """The kernels' :class:`~tpcomm.kernels.epilogue.QuantOut` (``store_out``: also write ``out``)."""
         import triton.language as tl
 
         T = self.q_fp8.numel() // self.q_fp8.shape[-1]
-        if self.mode == "fp8_static":
-            row_stride, group_stride, group = 0, 0, 1  # every row reads the one scale
+        if self.mode in FP4_BLOCKS:
+            linear = (self.scales_view.shape[-1], 1, 1)  # group 1: linear scales; 0: swizzled (fp4_row)
+            row_stride, group_stride, group = (0, 0, 0) if self.swizzled else linear
+        elif self.mode == "fp8_static":
+            row_stride, group_stride, group = 0, 0, 1  # no output scales
         elif self.mode == "fp8_per_token":
             row_stride, group_stride, group = 1, 0, 1
         elif self.column_major:
@@ -407,15 +419,25 @@ class Fp8Outputs:
         else:
             row_stride, group_stride, group = self.scales_view.shape[-1], 1, self.group_size
         mode = {"fp8_per_token": QUANT_PER_TOKEN.value, "fp8_per_group": QUANT_PER_GROUP.value,
-                "fp8_per_group_ue8m0": QUANT_PER_GROUP_UE8M0.value, "fp8_static": QUANT_STATIC.value}[self.mode]
+                "fp8_per_group_ue8m0": QUANT_PER_GROUP_UE8M0.value, "fp8_static": QUANT_STATIC.value,
+                "mxfp4": QUANT_MXFP4.value, "nvfp4": QUANT_NVFP4.value}[self.mode]
         fp8 = tl.float8e4nv if self.fp8_dtype == torch.float8_e4m3fn else tl.float8e4b8
-        return QuantOut(self.q_fp8.view(torch.uint8), self.scales_view, row_stride, group_stride,
-                        mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out)
+        scales = self.scales_view.view(torch.uint8) if self.mode == "nvfp4" else self.scales_view
+        return QuantOut(self.q_fp8.view(torch.uint8), scales, row_stride, group_stride,
+                        mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out, self.in_scale)
 
     def fill_from(self, out: torch.Tensor) -> None:
         """Quantise an unquantised ``out`` into these tensors with the plain-torch reference (the
         fallback path; the same bytes as the kernels)."""
         rows = out.reshape(-1, out.shape[-1])
+        if self.mode in FP4_BLOCKS:
+            if self.mode == "mxfp4":
+                q, s = reference.mxfp4_quant_reference(rows)
+            else:
+                q, s = reference.nvfp4_quant_unchecked(rows, self.in_scale)
+            self.q_fp8.view(-1, q.shape[-1]).copy_(q)
+            self.scales_view.copy_(reference.swizzle_128x4(s) if self.swizzled else s.reshape(self.scales_view.shape))
+            return
         if self.mode == "fp8_static":  # no scale to write: it is the input
             self.q_fp8.view(-1, out.shape[-1]).copy_(reference.static_fp8_bytes(rows, self.scales_view, self.fp8_dtype))
             return
@@ -435,15 +457,19 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
 
 def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, emit_unquantized,
-                           scale=None) -> None:
-    """A call without ``quant`` takes none of the FP8 options (they would be ignored).
+                           scale=None, swizzled_scales=False) -> None:
+    """A call without ``quant`` takes none of the quant options (they would be ignored).
 
     Raises:
-        ValueError: ``emit_unquantized`` or ``column_major_scales`` is set, ``scale`` is given, or
-            ``group_size`` / ``fp8_dtype`` differs from its default.
+        ValueError: ``emit_unquantized``, ``column_major_scales`` or ``swizzled_scales`` is set, ``scale``
+            is given, or ``group_size`` / ``fp8_dtype`` differs from its default.
     """
     if scale is not None:
-        raise ValueError(f"{op}: scale needs quant='fp8_static' (without a quant form it would be ignored)")
+        raise ValueError(f"{op}: scale needs quant='fp8_static' or 'nvfp4' (without a quant form it would be "
+                         "ignored)")
+    if swizzled_scales:
+        raise ValueError(f"{op}: swizzled_scales needs quant='mxfp4' or 'nvfp4' (without a quant form it would "
+                         "be ignored)")
     if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
             or fp8_dtype != torch.float8_e4m3fn):
         raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
@@ -451,11 +477,11 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
                          "'fp8_static'; without it they would be ignored)")
 
 
-def check_static_scale(op: str, x: torch.Tensor, scale) -> None:
-    """The ``scale`` of ``quant='fp8_static'``: a float32 tensor of one element on ``x``'s device, and,
-    where reading it costs no device synchronisation (a CPU tensor, outside tracing), finite and
-    positive. A CUDA scale's value is not read: a non-finite or non-positive one gives NaN or saturated
-    bytes (as :func:`static_quant_fp8` during a graph capture).
+def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static") -> None:
+    """The ``scale`` of ``quant='fp8_static'`` (or NVFP4's global scale): a float32 tensor of one element
+    on ``x``'s device, and, where reading it costs no device synchronisation (a CPU tensor, outside
+    tracing), finite and positive. A CUDA scale's value is not read: a non-finite or non-positive one
+    gives NaN, zero or saturated bytes (as :func:`static_quant_fp8` during a graph capture).
 
     Raises:
         ValueError: ``scale`` is None, has more than one element, is on another device, or (CPU) is not
@@ -463,8 +489,9 @@ def check_static_scale(op: str, x: torch.Tensor, scale) -> None:
         TypeError: ``scale`` is not a tensor or not float32.
     """
     if scale is None:
-        raise ValueError(f"{op}: quant='fp8_static' needs scale, a float32 tensor of one element (the "
-                         "calibrated scale: q = fp8(out / scale))")
+        what = ("the calibrated scale: q = fp8(out / scale)" if quant == "fp8_static"
+                else "the global scale, 448 * 6 / amax as TensorRT-LLM defines it")
+        raise ValueError(f"{op}: quant={quant!r} needs scale, a float32 tensor of one element ({what})")
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{op}: scale must be a torch.Tensor (float32, one element), got {type(scale).__name__}")
     if scale.dtype != torch.float32:
@@ -487,21 +514,25 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,
                 column_major_scales: bool, q_out: torch.Tensor | None = None,
-                scales_out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> Fp8Outputs:
+                scales_out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                swizzled_scales: bool = False) -> Fp8Outputs:
     """Validate the quant arguments of ``op`` for input ``x`` (``(..., H)``) and allocate the outputs, or
     take ``q_out`` / ``scales_out`` where the caller gives them (checked by
     :func:`tpcomm.validate.check_fp8_outputs` against the layout this call would allocate). ``scale``:
     the input scale of ``quant='fp8_static'`` (:func:`check_static_scale`), which the result returns as
-    its scales.
+    its scales, or NVFP4's global scale. ``swizzled_scales``: the FP4 forms' 128x4 scale layout (2-D
+    ``x``); a given ``scales_out`` in that layout has its padding left as it is.
 
     Raises:
         ValueError: ``quant`` or ``fp8_dtype`` is not a supported choice, ``group_size`` is not a power
             of two in [1, 8192] or does not divide H (the message names both numbers), or
             ``column_major_scales`` is asked for per-token or static scales or a non-2-D ``x``, or a
             ``group_size`` other than the default is passed with per-token or static scales; ``scale`` is
-            given with another form than ``fp8_static``, or ``fp8_static`` has no valid ``scale`` or is
-            given ``scales_out``.
-        TypeError: ``scale`` is not a float32 tensor.
+            given with another form than ``fp8_static`` or ``nvfp4``, or these have no valid ``scale``,
+            or ``fp8_static`` is given ``scales_out``; an FP4 form with H not a multiple of its block,
+            another ``fp8_dtype``, ``group_size`` or ``column_major_scales``; ``swizzled_scales`` with
+            another form or a non-2-D ``x``.
+        TypeError: ``scale`` is not a float32 tensor; ``swizzled_scales`` is not a bool.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"{op}: quant must be None or one of {QUANT_MODES}, got {quant!r}")
@@ -509,9 +540,17 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
         raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
     H = x.shape[-1]
     lead = x.shape[:-1]
+    if not isinstance(swizzled_scales, bool):
+        raise TypeError(f"{op}: swizzled_scales must be a bool (Python's True or False), got "
+                        f"{type(swizzled_scales).__name__}")
+    if quant in FP4_BLOCKS:
+        return _fp4_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                            swizzled_scales)
+    if swizzled_scales:
+        raise ValueError(f"{op}: swizzled_scales applies to the FP4 forms only (quant='mxfp4' or 'nvfp4')")
     if quant != "fp8_static" and scale is not None:
-        raise ValueError(f"{op}: scale applies to quant='fp8_static' only (quant={quant!r} computes its "
-                         "scales from out)")
+        raise ValueError(f"{op}: scale applies to quant='fp8_static' or 'nvfp4' only (quant={quant!r} computes "
+                         "its scales from out)")
     if quant != "fp8_per_token" and quant not in GROUP_MODES:  # fp8_static
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "
@@ -525,7 +564,7 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
                              "scale, returned as it is)")
         if q_out is not None:
             check_fp8_outputs(op, x, quant, q_out, None, None, fp8_dtype, x.device)
-        return Fp8Outputs(_q(x, fp8_dtype, q_out), scale, quant, fp8_dtype, 1, False)
+        return Fp8Outputs(_q(x, fp8_dtype, q_out), scale, quant, fp8_dtype, 1, False, in_scale=scale)
     if quant == "fp8_per_token":
         if column_major_scales:
             raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "
@@ -553,6 +592,42 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     shape = (G, x.shape[0]) if column_major_scales else (*lead, G)
     scales = _scales(op, x, quant, fp8_dtype, shape, column_major_scales, q_out, scales_out)
     return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, group_size, column_major_scales)
+
+
+def _fp4_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype, group_size, column_major_scales, q_out,
+                 scales_out, scale, swizzled: bool) -> Fp8Outputs:
+    """:func:`fp8_outputs` of ``quant='mxfp4'`` / ``'nvfp4'``."""
+    block, s_dtype = FP4_BLOCKS[quant]
+    for name, bad in (("fp8_dtype", fp8_dtype != torch.float8_e4m3fn), ("group_size", group_size != DEFAULT_GROUP_SIZE),
+                      ("column_major_scales", column_major_scales)):
+        if bad:
+            raise ValueError(f"{op}: {name} applies to the FP8 forms only (quant={quant!r} has blocks of {block} "
+                             "and its own scale format)")
+    if quant == "nvfp4":
+        check_static_scale(op, x, scale, quant)
+    elif scale is not None:
+        raise ValueError(f"{op}: scale applies to quant='fp8_static' or 'nvfp4' only (quant='mxfp4' computes its "
+                         "scales from out)")
+    H = x.shape[-1]
+    if H % block:
+        raise ValueError(f"{op}: x has H={H} elements per row, not a multiple of {quant}'s block size {block}")
+    if swizzled and x.dim() != 2:
+        raise ValueError(f"{op}: swizzled_scales needs a 2-D x (T, H), got shape {tuple(x.shape)}")
+    q_shape = (*x.shape[:-1], H // 2)
+    if swizzled:
+        T, C = x.shape[0], H // block
+        s_shape = (-(-T // 128) * 128, -(-C // 4) * 4)
+    else:
+        s_shape = (*x.shape[:-1], H // block)
+    if q_out is not None or scales_out is not None:
+        check_fp8_outputs(op, x, quant, q_out, scales_out, torch.empty(s_shape, dtype=s_dtype, device="meta"),
+                          torch.uint8, x.device, q_shape)
+    q = q_out if q_out is not None else torch.empty(q_shape, dtype=torch.uint8, device=x.device)
+    if scales_out is not None:
+        scales = scales_out
+    else:  # the swizzled buffer's padding is zero (only the real scales are written)
+        scales = (torch.zeros if swizzled else torch.empty)(s_shape, dtype=s_dtype, device=x.device)
+    return Fp8Outputs(q, scales, quant, fp8_dtype, block, False, swizzled, scale if quant == "nvfp4" else None)
 
 
 def _q(x: torch.Tensor, fp8_dtype: torch.dtype, q_out: torch.Tensor | None) -> torch.Tensor:

@@ -598,7 +598,14 @@ def nvfp4_quant_reference(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[
     """
     op = "nvfp4_quant_reference"
     _check_rows(x, op, 16, "block")
-    g = _one_float32(op, "global_scale", global_scale).to(x.device)
+    return nvfp4_quant_unchecked(x, _one_float32(op, "global_scale", global_scale))
+
+
+def nvfp4_quant_unchecked(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_quant_reference` without its checks, which read the global scale on the host: the fused
+    call's fallback path uses it (a scale on a GPU, perhaps during a CUDA-graph capture). ``x`` ``(T, H)``,
+    ``H`` a multiple of 16; ``global_scale`` one float32 element on any device."""
+    g = global_scale.reshape(()).to(x.device)
     T, H = x.shape
     v = x.to(torch.float32).reshape(T, H // 16, 16)
     amax = v.abs().amax(dim=-1, keepdim=True)

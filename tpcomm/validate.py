@@ -188,22 +188,23 @@ def check_fused_outputs(op: str, x, residual, weight, quant, emit_unquantized, o
 
 
 def check_fp8_outputs(op: str, x, quant, q_out, scales_out, expected_scales: torch.Tensor | None,
-                      fp8_dtype, device: torch.device) -> None:
+                      fp8_dtype, device: torch.device, q_shape: tuple | None = None) -> None:
     """``q_out`` and ``scales_out`` given to ``fused_add_rmsnorm``: only with ``quant``; ``q_out`` contiguous
-    in ``fp8_dtype`` shaped like ``x``; ``scales_out`` float32 with the shape and strides of the scales
-    the call would return (``expected_scales``)."""
+    in ``fp8_dtype`` shaped like ``x`` (or ``q_shape``: FP4's packed bytes, ``fp8_dtype`` then uint8);
+    ``scales_out`` with the dtype, shape and strides of the scales the call would return
+    (``expected_scales``)."""
     if quant is None:
         if q_out is not None or scales_out is not None:
             raise ValueError(f"{op}: q_out and scales_out need quant='fp8_per_token' or 'fp8_per_group'")
         return
     if q_out is not None:
-        _check_output(op, "q_out", q_out, x.shape, fp8_dtype, device)
+        _check_output(op, "q_out", q_out, x.shape if q_shape is None else q_shape, fp8_dtype, device)
     if scales_out is not None:
         check_tensor(op, "scales_out", scales_out, device)
         shape, strides = tuple(expected_scales.shape), expected_scales.stride()
-        if scales_out.dtype != torch.float32 or tuple(scales_out.shape) != shape:
+        if scales_out.dtype != expected_scales.dtype or tuple(scales_out.shape) != shape:
             raise ValueError(f"{op}: scales_out has shape {tuple(scales_out.shape)} and dtype {scales_out.dtype}; "
-                             f"expected {shape} and torch.float32")
+                             f"expected {shape} and {expected_scales.dtype}")
         if any(st != want for st, want, n in zip(scales_out.stride(), strides, shape) if n > 1):
             why = " (column_major_scales decides the layout)" if quant != "fp8_per_token" else " (row-major)"
             raise ValueError(f"{op}: scales_out has strides {tuple(scales_out.stride())}; expected {strides}{why}")

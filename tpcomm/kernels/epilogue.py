@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
+from .fp4 import mxfp4_tile, nvfp4_tile
 from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_encode, fp8_scale, group_amax, group_division, pow2_ceil,
                     quantize, row_amax, static_inverse, store_fp8, token_division, widen)
 
@@ -37,8 +38,12 @@ QUANT_PER_TOKEN = tl.constexpr(1)
 QUANT_PER_GROUP = tl.constexpr(2)
 #: Per group with power-of-two (UE8M0) scales: each group's scale rounded up (``quant.pow2_ceil``).
 QUANT_PER_GROUP_UE8M0 = tl.constexpr(3)
-#: Static per tensor: one calibrated scale, an input read from ``s_row_ptr`` (:func:`quant_static_tile`).
+#: Static per tensor: one calibrated scale, an input read from ``in_scale_ptr`` (:func:`quant_static_tile`).
 QUANT_STATIC = tl.constexpr(4)
+#: FP4 (``fp4.py``): MXFP4 (blocks of 32, E8M0 scale bytes) and NVFP4 (blocks of 16, e4m3fn block scales,
+#: the global scale read from ``in_scale_ptr``); ``q`` holds two codes a byte (:func:`quant_fp4_tile`).
+QUANT_MXFP4 = tl.constexpr(5)
+QUANT_NVFP4 = tl.constexpr(6)
 
 #: ``SUM`` of :func:`reduce_norm_row`: where the row's sum ``s`` comes from: reduced from the ranks' rows
 #: (:func:`reduce_tile`), loaded as another program computed it (two-shot's gathered rows), or given
@@ -281,6 +286,34 @@ def quant_static_tile(o, q_row_ptr, inv, cols, mask, FP8: tl.constexpr, NATIVE_F
 
 
 @triton.jit
+def fp4_row(q_row_ptr, s_row_ptr, s_group_stride, row_start, H, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr):
+    """Where an FP4 row's bytes and scales go, from what the kernels pass every quant form: ``(q4, s4, m,
+    n_col_tiles)``. The kernels address ``q`` like ``out`` (``q_row_ptr = q + row_start``), and FP4 rows
+    are ``H / 2`` bytes: ``q4 = q + row_start / 2``. Linear scales: ``s_row_ptr`` is the row's (the
+    launch's ``row_stride`` is ``H / BLOCK``), ``m`` 0. Swizzled: ``s_row_ptr`` is the buffer itself (row
+    stride 0) and ``s_group_stride`` the launch's first row, so ``m = s_group_stride + row_start / H`` is
+    the row's index in the call (``fp4.swizzled_offset``)."""
+    q4 = q_row_ptr - (row_start - row_start // 2)
+    if SWIZZLED:
+        m = s_group_stride + row_start // H
+    else:
+        m = row_start * 0
+    return q4, s_row_ptr, m, (H + 4 * BLOCK - 1) // (4 * BLOCK)
+
+
+@triton.jit
+def quant_fp4_tile(o, mask, q4, s4, m, n_col_tiles, in_scale_ptr, cols, tile, H, QUANT: tl.constexpr,
+                   SWIZZLED: tl.constexpr):
+    """MXFP4 or NVFP4 of one tile of ``out`` (float32 ``o``, whole blocks; :func:`fp4_row` gave the
+    pointers): the packed codes and the block scales, as ``fp4._mxfp4_quant_kernel`` /
+    ``_nvfp4_quant_kernel`` store them (docs/numerics.md, "MXFP4", "NVFP4")."""
+    if QUANT == QUANT_MXFP4:
+        mxfp4_tile(o, mask, q4, s4, m, cols, tile, H, 0, n_col_tiles, 0, SWIZZLED)
+    else:
+        nvfp4_tile(o, mask, tl.load(in_scale_ptr), q4, s4, m, cols, tile, H, 0, n_col_tiles, SWIZZLED)
+
+
+@triton.jit
 def _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
     """A tile of the row that a multi-tile epilogue's first pass stored, widened: ``residual_out``, or
     ``s`` (in ``out``) without a residual."""
@@ -293,7 +326,8 @@ def _stored_row_tile(res_out_row_ptr, out_row_ptr, cols, mask, HAS_RESIDUAL: tl.
 
 @triton.jit
 def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_row_ptr, w_ptr,
-                    out_row_ptr, q_row_ptr, s_row_ptr, s_group_stride, row_start, numel, H, eps, rank,
+                    out_row_ptr, q_row_ptr, s_row_ptr, s_group_stride, in_scale_ptr, row_start, numel, H, eps,
+                    rank,
                     res_pre, w_pre, use_pre, s_pre,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
@@ -307,7 +341,9 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     ``HAS_RESIDUAL``) and ``out`` (when ``STORE_OUT``), and with ``QUANT`` (``QUANT_PER_TOKEN``,
     ``QUANT_PER_GROUP`` or ``QUANT_PER_GROUP_UE8M0``) the FP8 bytes of ``out`` at ``q_row_ptr`` (uint8)
     and their float32 scales at ``s_row_ptr + g * s_group_stride`` (group ``g``; per token: one scale);
-    with ``QUANT_STATIC`` the bytes only, ``s_row_ptr`` pointing at the one float32 scale it reads.
+    with ``QUANT_STATIC`` the bytes only, from the one float32 scale at ``in_scale_ptr``; with
+    ``QUANT_MXFP4`` / ``QUANT_NVFP4`` packed E2M1 codes and block scales (:func:`fp4_row` says where;
+    ``GROUP`` 1 means linear scales, 0 swizzled; NVFP4's global scale at ``in_scale_ptr``).
     ``row_start`` is the row's first element in the flat tensor; elements at or beyond ``numel`` are
     masked (plain all-reduce of a tensor that is not a whole number of rows).
     A row wider than ``BLOCK_H`` is processed in ``NUM_TILES`` tiles: the first pass stores
@@ -322,6 +358,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
     DTYPE: tl.constexpr = out_row_ptr.dtype.element_ty
     SRC_BITS: tl.constexpr = DTYPE.primitive_bitwidth
     SRC16: tl.constexpr = SRC_BITS == 16
+    FP4_BLOCK: tl.constexpr = 32 if QUANT == QUANT_MXFP4 else 16
     offs = tl.arange(0, BLOCK_H)
     if NUM_TILES == 1:
         mask = (offs < H) & (row_start + offs < numel)
@@ -336,7 +373,7 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
             if QUANT == QUANT_PER_TOKEN:
                 p_max = row_amax(v * w, mask)  # needs no inv: reduced beside the sum of squares, not after it
             if QUANT == QUANT_STATIC:
-                q_inv = static_inverse(s_row_ptr)
+                q_inv = static_inverse(in_scale_ptr)
             inv = rms_inverse(tree_sum(v * v), H, eps)
             first = weight_first(inv, DTYPE)
             o = norm_tile(v, w, inv, first, out_row_ptr, offs, mask, STORE_OUT)
@@ -347,6 +384,10 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                 tl.store(s_row_ptr, scale)
             elif QUANT == QUANT_STATIC:
                 quant_static_tile(o, q_row_ptr, q_inv, offs, mask, FP8, NATIVE_FP8, SRC_BITS)
+            elif QUANT >= QUANT_MXFP4:
+                q4, s4, m, n_col_tiles = fp4_row(q_row_ptr, s_row_ptr, s_group_stride, row_start, H, FP4_BLOCK,
+                                                 GROUP == 0)
+                quant_fp4_tile(o, mask, q4, s4, m, n_col_tiles, in_scale_ptr, offs, 0, H, QUANT, GROUP == 0)
             elif QUANT >= QUANT_PER_GROUP:
                 quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, offs, mask, 0, H, FP8, NATIVE_FP8,
                                  GROUP, SRC_BITS, QUANT == QUANT_PER_GROUP_UE8M0)
@@ -392,7 +433,10 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                 scale = fp8_scale(amax, FP8)
                 recip, fast = token_division(scale, SRC16)
             if QUANT == QUANT_STATIC:
-                q_inv = static_inverse(s_row_ptr)
+                q_inv = static_inverse(in_scale_ptr)
+            if QUANT >= QUANT_MXFP4:
+                q4, s4, m, n_col_tiles = fp4_row(q_row_ptr, s_row_ptr, s_group_stride, row_start, H, FP4_BLOCK,
+                                                 GROUP == 0)
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = cols < H
@@ -405,6 +449,8 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
                     store_fp8(q_row_ptr, cols, quantize(o, scale, recip, fast, FP8, NATIVE_FP8), mask, SRC_BITS)
                 elif QUANT == QUANT_STATIC:
                     quant_static_tile(o, q_row_ptr, q_inv, cols, mask, FP8, NATIVE_FP8, SRC_BITS)
+                elif QUANT >= QUANT_MXFP4:
+                    quant_fp4_tile(o, mask, q4, s4, m, n_col_tiles, in_scale_ptr, cols, t, H, QUANT, GROUP == 0)
                 elif QUANT >= QUANT_PER_GROUP:
                     quant_group_tile(o, q_row_ptr, s_row_ptr, s_group_stride, cols, mask, t, H, FP8,
                                      NATIVE_FP8, GROUP, SRC_BITS, QUANT == QUANT_PER_GROUP_UE8M0)
@@ -414,20 +460,27 @@ def reduce_norm_row(x_row_ptr, recv_row_ptr, slot_stride, res_row_ptr, res_out_r
 
 @dataclass(frozen=True)
 class QuantOut:
-    """Where a fused launch writes its FP8 output (host side; a launcher passes these to the kernel).
+    """Where a fused launch writes its quantised output (host side; a launcher passes these to the
+    kernel).
 
     Attributes:
-        q: ``uint8`` view of the FP8 output, laid out like ``out`` (rows of ``H``, addressed flat).
+        q: ``uint8`` view of the FP8 output, laid out like ``out`` (rows of ``H``, addressed flat); FP4:
+            rows of ``H / 2`` bytes.
         scales: float32; the scale of group ``g`` of row ``i`` is at element
-            ``i * row_stride + g * group_stride`` (per token: ``g`` is 0).
+            ``i * row_stride + g * group_stride`` (per token: ``g`` is 0). FP4: uint8 block scales,
+            linear (``row_stride`` the blocks of a row, ``group_stride`` 1) or the 128x4 swizzled buffer
+            (``row_stride`` 0, ``group_stride`` the first row of the launch: :func:`fp4_row`).
         row_stride, group_stride: element strides of ``scales`` (row-major or column-major layouts).
-        mode: ``QUANT_PER_TOKEN.value``, ``QUANT_PER_GROUP.value``, ``QUANT_PER_GROUP_UE8M0.value`` or
-            ``QUANT_STATIC.value`` (then ``scales`` is the caller's one-element scale, read only, and both
-            strides are 0).
+        mode: ``QUANT_PER_TOKEN.value``, ``QUANT_PER_GROUP.value``, ``QUANT_PER_GROUP_UE8M0.value``,
+            ``QUANT_STATIC.value`` (no output scales: ``scales`` is ``in_scale``, unused, strides 0),
+            ``QUANT_MXFP4.value`` or ``QUANT_NVFP4.value``.
         fp8: ``tl.float8e4nv`` (e4m3fn) or ``tl.float8e4b8`` (e4m3fnuz).
         native: use the hardware conversion (:func:`tpcomm.quant.native_fp8`).
-        group: elements per group (per-group mode; 1 otherwise).
+        group: elements per group (per-group mode); FP4: 1 for linear scales, 0 for swizzled ones; 1
+            otherwise.
         store_out: also store the unquantised ``out`` (asked for).
+        in_scale: the form's one-element float32 input (static FP8's scale, NVFP4's global scale), read
+            by the kernel; None for the other forms.
     """
 
     q: object
@@ -439,18 +492,26 @@ class QuantOut:
     native: bool
     group: int
     store_out: bool
+    in_scale: object = None
 
     def shifted(self, row0: int, elem0: int) -> "QuantOut":
         """The same output seen from row ``row0`` (flat element ``elem0``) of the call: for a launch of
-        a chunk of rows. The scales pointer moves on the storage, which serves both layouts."""
+        a chunk of rows. The scales pointer moves on the storage, which serves both layouts; swizzled FP4
+        scales keep the buffer and take ``row0`` as ``group_stride`` (:func:`fp4_row`)."""
         if row0 == 0 and elem0 == 0:
             return self
+        fp4 = self.mode >= QUANT_MXFP4.value
+        q = self.q.view(-1)[elem0 // 2 if fp4 else elem0:]
+        if fp4 and self.group == 0:
+            return replace(self, q=q, group_stride=row0)
         first = self.scales.as_strided((1,), (1,), self.scales.storage_offset() + row0 * self.row_stride)
-        return replace(self, q=self.q.view(-1)[elem0:], scales=first)
+        return replace(self, q=q, scales=first)
 
     def kernel_args(self) -> tuple:
-        """``(q, scales, row_stride, group_stride)``, the kernel's pointer arguments."""
-        return (self.q, self.scales, self.row_stride, self.group_stride)
+        """``(q, scales, row_stride, group_stride, in_scale)``, the kernel's pointer arguments (``in_scale``
+        is ``scales`` for forms without one: never read)."""
+        return (self.q, self.scales, self.row_stride, self.group_stride,
+                self.scales if self.in_scale is None else self.in_scale)
 
     def constexprs(self) -> dict:
         """The kernel's ``QUANT``, ``STORE_OUT``, ``FP8``, ``NATIVE_FP8`` and ``GROUP``."""
@@ -460,7 +521,7 @@ class QuantOut:
 
 def no_quant_args(out) -> tuple:
     """Kernel arguments of a launch without FP8 output (unused pointers point at ``out``)."""
-    return (out, out, 0, 0)
+    return (out, out, 0, 0, out)
 
 
 #: Constexprs of a launch without FP8 output.

@@ -31,7 +31,7 @@ from .sync import (check_abort, exchange_flags, finish_program, flag_offset, lau
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
-                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+                     in_scale_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, pad_programs,
                      eps, timeout, rank, signature, abort_off,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -78,7 +78,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         row_start = row * H
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
-                        q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride,
+                        q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride, in_scale_ptr,
                         row_start, numel, H, eps, rank, res_pre, w_pre, row == pid, offs,
                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_REDUCE,
                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, PRELOAD)

@@ -68,7 +68,7 @@ def share_len(o, n_rows, WORLD: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s_row_stride, s_group_stride,
-                     buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
+                     in_scale_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, j0, n_local, H, numel, row_stride, slot_stride, half_stride, parity_stride,
                      pad_programs, eps, timeout, rank, signature, abort_off,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -139,8 +139,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                     row_start = row * H
                     reduce_norm_row(x_ptr + row_start, out_ptr + row_start, slot_stride, res_ptr + row_start,
                                     res_out_ptr + row_start, w_ptr, out_ptr + row_start, q_ptr + row_start,
-                                    s_ptr + row * s_row_stride, s_group_stride, row_start, numel, H, eps, rank,
-                                    offs, offs, False, offs,
+                                    s_ptr + row * s_row_stride, s_group_stride, in_scale_ptr, row_start, numel, H,
+                                    eps, rank, offs, offs, False, offs,
                                     WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                     QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
         timeout = wait_peers(flag_table_ptr, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
@@ -157,7 +157,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                         recv + o * slot_stride + half_stride + jj * row_stride,
                                         slot_stride, res_ptr + row_start, res_out_ptr + row_start, w_ptr,
                                         out_ptr + row_start, q_ptr + row_start, s_ptr + row * s_row_stride,
-                                        s_group_stride, row_start, numel, H, eps, rank,
+                                        s_group_stride, in_scale_ptr, row_start, numel, H, eps, rank,
                                         offs, offs, False, offs,
                                         WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                         QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
