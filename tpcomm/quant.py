@@ -1,11 +1,13 @@
-"""FP8 outputs of activations, per token and per group: the standalone quantisation (Triton) and the
-outputs of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (validation, allocation, the kernels'
-view of them, and the fallback's fill).
+"""Quantised outputs of activations: FP8 per token, per group (with float32 or UE8M0 scales) and static
+per tensor, MXFP4 and NVFP4. The standalone quantisation (Triton) and the outputs of
+``Communicator.fused_add_rmsnorm(..., quant=...)`` (validation, allocation, the kernels' view of them,
+and the fallback's fill).
 
 The standalone ops are the unfused path of the quantised epilogues and what their bytes are checked
-against; the numerics are docs/numerics.md item 4, written out in :mod:`tpcomm.kernels.quant`.
-``tpcomm.reference`` has the same functions in plain torch (``per_token_quant_reference``,
-``per_group_quant_reference``), the oracle of the tests.
+against; the numerics are docs/numerics.md item 4 and "Quantised output forms", written out in
+:mod:`tpcomm.kernels.quant` and :mod:`tpcomm.kernels.fp4`. ``tpcomm.reference`` has the same functions
+in plain torch (``per_token_quant_reference``, ``per_group_quant_reference``, ...), the oracle of the
+tests.
 
 Equivalent in torch, per row (or per group of ``group_size`` consecutive elements of a row)::
 
