@@ -460,10 +460,10 @@ def test_close_is_idempotent_and_final(pool):
 # -- peer timeouts ---------------------------------------------------------------------------------------------
 #: A short kernel timeout (wall-clock nanoseconds, the host's clock under the interpreter).
 TIMEOUT_S = 0.15
-#: How long the call may take to raise: 10x the timeout leaves room for the call's own work and a busy
-#: 2-core machine running 3 ranks; much more and a CPU rank with the default 30 s timeout would hang for
-#: minutes before it says why.
-TIMEOUT_BOUND_S = 10 * TIMEOUT_S
+#: How long the call may take to raise: the grace (at least 0.5 s under the interpreter, sync.grace_ns),
+#: then 10x the timeout, room for the call's own work and a busy 2-core machine running 3 ranks; much more
+#: and a CPU rank with the default 30 s timeout would hang for minutes before it says why.
+TIMEOUT_BOUND_S = 0.5 + 10 * TIMEOUT_S
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "fused_add_rmsnorm"])

@@ -155,17 +155,22 @@ CLOCK_EVERY = tl.constexpr(8)
 GRACE_MAX_NS = tl.constexpr(1_000_000_000)
 
 
-#: The grace's cap under the interpreter (:func:`grace_ns`), in ns.
+#: The grace under the interpreter (:func:`grace_ns`): the timeout again, at least the floor and at
+#: most the cap, in ns.
+GRACE_MIN_INTERPRETED_NS = tl.constexpr(500_000_000)
 GRACE_MAX_INTERPRETED_NS = tl.constexpr(1_000_000_000)
 
 if interpreter_enabled():
     @triton.jit
     def grace_ns(timeout):
         """How long a wait goes on after ``timeout`` (int64 ns) expired and it stored its abort word in
-        the awaited peer, under the interpreter: the timeout again, at most ``GRACE_MAX_INTERPRETED_NS``
-        (a program's abort check and its first send are Python steps apart there, milliseconds on a
-        busy machine)."""
-        return tl.minimum(timeout, GRACE_MAX_INTERPRETED_NS)
+        the awaited peer, under the interpreter: the timeout again, within ``GRACE_MIN_INTERPRETED_NS``
+        and ``GRACE_MAX_INTERPRETED_NS`` (0 for a timeout of 0). A program's abort check and its first
+        send are Python steps apart there, tens of milliseconds on a busy machine, so a grace of a short
+        timeout would let a late peer's part land after the grace although its check ran before the
+        abort word landed."""
+        grace = tl.minimum(tl.maximum(timeout, GRACE_MIN_INTERPRETED_NS), GRACE_MAX_INTERPRETED_NS)
+        return tl.where(timeout > 0, grace, 0)
 else:
     @triton.jit
     def grace_ns(timeout):
