@@ -75,7 +75,7 @@ def build(fn, types, constexprs, num_warps=16, pdl=True):
 def epi_types(dt):
     return {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
             "res_out_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "s_row_stride": "i32",
-            "s_group_stride": "i32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i64",
+            "s_group_stride": "i32", "in_scale_ptr": "*fp32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i64",
             "err_ptr": "*i32", "abort_off": "i32", "n_rows": "i32", "H": "i32",
             "numel": "i32", "row_stride": "i32",
             "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "pad_programs": "i32", "eps": "fp32",
@@ -114,6 +114,20 @@ def main():
                                               dispatch.row_config(block, 1, two_shot=True).num_warps)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
                         build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1, "PDL": True})))
+    # the forms with an input scale or FP4 bytes (4 static FP8, 5 MXFP4, 6 NVFP4; GROUP 0: swizzled
+    # scales), fused with a residual, rows of one tile
+    for quant, group in ((4, 1), (5, 1), (5, 0), (6, 1), (6, 0)):
+        ce = {"WORLD": 2, "BLOCK_H": 8192, "NUM_TILES": 1, "NORM": True, "HAS_RESIDUAL": True, "GEMMA": False,
+              "QUANT": quant, "STORE_OUT": False, "FP8": tl.float8e4nv, "NATIVE_FP8": True, "GROUP": group,
+              "PDL": True}
+        t, warps = epi_types("bf16"), dispatch.row_config(8192, 1).num_warps
+        results.append(("one_shot", "bf16", 8192, 1, quant, True, build(one_shot._one_shot_kernel, t, ce, warps)))
+        results.append(("lamport", "bf16", 8192, 1, quant, True,
+                        build(lamport._lamport_kernel, t, dict(ce, VECTORS=True, REARM_IN_SPIN=8192 // 8 >= 32 * warps,
+                                                               PREFETCH=True), warps)))
+        results.append(("two_shot", "bf16", 8192, 1, quant, True,
+                        build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=False),
+                              dispatch.row_config(8192, 1, two_shot=True).num_warps)))
     # without programmatic dependent launch (TPCOMM_PDL=0, GPUs before sm_90): the same kernels, PDL off
     results.append(("one_shot no PDL", "bf16", 1024, 1, 0, True,
                     build(one_shot._one_shot_kernel, epi_types("bf16"),
