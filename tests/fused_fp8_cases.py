@@ -489,6 +489,7 @@ def _bad_fp8_call(comm, name: str):
         "static_scale_inf": lambda: f(x, r, w, quant="fp8_static", scale=torch.tensor([float("inf")])),
         "static_scale_zero": lambda: f(x, r, w, quant="fp8_static", scale=torch.tensor(0.0)),
         "static_scale_negative": lambda: f(x, r, w, quant="fp8_static", scale=torch.tensor(-0.5)),
+        "static_scale_tiny": lambda: f(x, r, w, quant="fp8_static", scale=torch.tensor(1e-42)),
         "static_fp8_dtype_e5m2": lambda: f(x, r, w, quant="fp8_static", scale=one, fp8_dtype=torch.float8_e5m2),
         "static_group_size": lambda: f(x, r, w, quant="fp8_static", scale=one, group_size=32),
         "static_column_major": lambda: f(x, r, w, quant="fp8_static", scale=one, column_major_scales=True),

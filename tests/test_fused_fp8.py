@@ -265,6 +265,7 @@ BAD = {
     "static_scale_empty": ("scale", ["one element", "(0,)"]),
     "static_scale_meta": ("scale", ["meta", "cpu"]),
     "static_scale_nan": ("scale", ["nan", "finite positive"]),
+    "static_scale_tiny": ("scale", ["reciprocal overflows"]),
     "static_scale_inf": ("scale", ["inf", "finite positive"]),
     "static_scale_zero": ("scale", ["0.0", "finite positive"]),
     "static_scale_negative": ("scale", ["-0.5", "finite positive"]),

@@ -72,6 +72,7 @@ def test_static_quant_multiplies_by_the_rounded_reciprocal():
     (torch.tensor(float("inf")), ValueError, "finite positive"),
     (torch.tensor(0.0), ValueError, "finite positive"),
     (torch.tensor(-2.0), ValueError, "finite positive"),
+    (torch.tensor(1e-42), ValueError, "reciprocal overflows"),
     (2.0, TypeError, "torch.Tensor"),
 ])
 def test_static_quant_rejects_bad_scales(bad, error, match):

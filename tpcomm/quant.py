@@ -228,6 +228,9 @@ def _check_one_float32(op: str, name: str, t, x: torch.Tensor) -> None:
         value = float(t.reshape(()).item())
         if not (value > 0 and value != float("inf")):  # NaN fails both
             raise ValueError(f"{op}: {name}={value!r}; expected a finite positive float32")
+        if name == "scale" and _reciprocal_overflows(t):
+            raise ValueError(f"{op}: scale={value!r}; its float32 reciprocal overflows (q = fp8(x * (1 / scale)) "
+                             "would be NaN for zeros): expected at least 2**-128")
 
 
 def _check_fp4(op: str, x, block: int, swizzled_scales) -> None:
@@ -491,7 +494,7 @@ def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static
         TypeError: ``scale`` is not a tensor or not float32.
     """
     if scale is None:
-        what = ("the calibrated scale: q = fp8(out / scale)" if quant == "fp8_static"
+        what = ("the calibrated scale: q = fp8(out * (1 / scale))" if quant == "fp8_static"
                 else "the global scale, 448 * 6 / amax as TensorRT-LLM defines it")
         raise ValueError(f"{op}: quant={quant!r} needs scale, a float32 tensor of one element ({what})")
     if not isinstance(scale, torch.Tensor):
@@ -506,6 +509,14 @@ def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static
         value = float(scale.reshape(()).item())
         if not (value > 0 and value != float("inf")):  # NaN fails both
             raise ValueError(f"{op}: scale={value!r}; expected a finite positive float32")
+        if quant == "fp8_static" and _reciprocal_overflows(scale):
+            raise ValueError(f"{op}: scale={value!r}; its float32 reciprocal overflows (q = fp8(out * (1 / scale)) "
+                             "would be NaN for zeros): expected at least 2**-128")
+
+
+def _reciprocal_overflows(scale: torch.Tensor) -> bool:
+    """Whether ``f32(1 / scale)`` of a one-element float32 ``scale`` (on the host) is infinite."""
+    return bool(torch.isinf(torch.reciprocal(scale.detach().reshape(()).cpu())))
 
 
 def _is_fake(t: torch.Tensor) -> bool:
