@@ -215,22 +215,32 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
 def _check_one_float32(op: str, name: str, t, x: torch.Tensor) -> None:
     """A standalone op's scale input ``t``: a float32 tensor of one element on ``x``'s device, finite
     and positive outside CUDA-graph capture (the check reads it: one synchronisation on CUDA)."""
+    _check_scale_tensor(op, name, t, x)
+    if not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _check_scale_value(op, name, t, static=name == "scale")
+
+
+def _check_scale_tensor(op: str, name: str, t, x: torch.Tensor) -> None:
+    """``t`` is a float32 tensor of one element on ``x``'s device (TypeError / ValueError naming it)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{op}: {name} must be a torch.Tensor (float32, one element), got {type(t).__name__}")
     if t.dtype != torch.float32:
         raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected torch.float32")
     if t.numel() != 1:
         raise ValueError(f"{op}: {name} must hold one element, got shape {tuple(t.shape)}")
     if t.device != x.device:
         raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}; expected the same device")
-    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        value = float(t.reshape(()).item())
-        if not (value > 0 and value != float("inf")):  # NaN fails both
-            raise ValueError(f"{op}: {name}={value!r}; expected a finite positive float32")
-        if name == "scale" and _reciprocal_overflows(t):
-            raise ValueError(f"{op}: scale={value!r}; its float32 reciprocal overflows (q = fp8(x * (1 / scale)) "
-                             "would be NaN for zeros): expected at least 2**-128")
+
+
+def _check_scale_value(op: str, name: str, t: torch.Tensor, static: bool) -> None:
+    """The value of a one-element float32 ``t`` (read: a synchronisation on CUDA): finite and positive,
+    and for a static FP8 scale (``static``) one whose float32 reciprocal is finite (ValueError)."""
+    value = float(t.reshape(()).item())
+    if not (value > 0 and value != float("inf")):  # NaN fails both
+        raise ValueError(f"{op}: {name}={value!r}; expected a finite positive float32")
+    if static and bool(torch.isinf(torch.reciprocal(t.detach().reshape(()).cpu()))):
+        raise ValueError(f"{op}: {name}={value!r}; its float32 reciprocal overflows (q = fp8(x * (1 / scale)) "
+                         "would be NaN for zeros): expected at least 2**-128")
 
 
 def _check_fp4(op: str, x, block: int, swizzled_scales) -> None:
@@ -497,26 +507,9 @@ def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static
         what = ("the calibrated scale: q = fp8(out * (1 / scale))" if quant == "fp8_static"
                 else "the global scale, 448 * 6 / amax as TensorRT-LLM defines it")
         raise ValueError(f"{op}: quant={quant!r} needs scale, a float32 tensor of one element ({what})")
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{op}: scale must be a torch.Tensor (float32, one element), got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise TypeError(f"{op}: scale has dtype {scale.dtype}; expected torch.float32")
-    if scale.numel() != 1:
-        raise ValueError(f"{op}: scale must hold one element, got shape {tuple(scale.shape)}")
-    if scale.device != x.device:
-        raise ValueError(f"{op}: scale is on {scale.device}, x on {x.device}; expected the same device")
+    _check_scale_tensor(op, "scale", scale, x)
     if scale.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_fake(scale):
-        value = float(scale.reshape(()).item())
-        if not (value > 0 and value != float("inf")):  # NaN fails both
-            raise ValueError(f"{op}: scale={value!r}; expected a finite positive float32")
-        if quant == "fp8_static" and _reciprocal_overflows(scale):
-            raise ValueError(f"{op}: scale={value!r}; its float32 reciprocal overflows (q = fp8(out * (1 / scale)) "
-                             "would be NaN for zeros): expected at least 2**-128")
-
-
-def _reciprocal_overflows(scale: torch.Tensor) -> bool:
-    """Whether ``f32(1 / scale)`` of a one-element float32 ``scale`` (on the host) is infinite."""
-    return bool(torch.isinf(torch.reciprocal(scale.detach().reshape(()).cpu())))
+        _check_scale_value(op, "scale", scale, static=quant == "fp8_static")
 
 
 def _is_fake(t: torch.Tensor) -> bool:
