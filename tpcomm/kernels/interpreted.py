@@ -1,0 +1,76 @@
+"""The CPU path's launch of an interpreted kernel without repeated language patching.
+
+Problem: Triton's interpreter (``TRITON_INTERPRET=1``) swaps ``triton.language``'s builtins for NumPy
+versions when a kernel launch starts, and restores them when it ends. It does the same again at every
+call of a ``@triton.jit`` device function inside the kernel (``InterpretedFunction.__call__`` runs
+``_patch_lang``, which walks the language modules with ``inspect.getmembers``), although the launch has
+patched those same modules already. tpcomm's kernels call device functions (the sync primitives, the
+epilogue, the quantisers) about a thousand times per launch, so the walk was four tenths of the time of
+a CPU rank's call.
+
+Mechanism: :func:`install` wraps the interpreter's ``_patch_lang`` and its launcher
+(``GridExecutor.__call__``). During a launch, a device function whose language modules (``tl`` or
+``tl.core`` among its globals) are patched already skips the walk (an empty patch scope); one that
+brings another module is patched as before, and the launch's own restore undoes everything at its end,
+as it does without this. Outside a launch nothing changes. If the interpreter's internals are not the
+ones expected, :func:`install` leaves them as they are (the kernels then run as slowly as before).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+#: Language modules patched by the launch in progress (``id`` of the module objects), or None outside one.
+_patched: set[int] | None = None
+#: The language modules among a module's globals, by the ``id`` of its globals dict (a module's imports
+#: are done by the time its kernels run).
+_langs_of: dict[int, frozenset[int]] = {}
+
+
+def _lang_ids(fn, langs) -> frozenset[int]:
+    key = id(fn.__globals__)
+    ids = _langs_of.get(key)
+    if ids is None:
+        ids = _langs_of[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                         if inspect.ismodule(v) and v in langs)
+    return ids
+
+
+def install() -> bool:
+    """Wrap the interpreter's patching (module docstring); idempotent. Returns whether it is in place."""
+    try:
+        from triton.runtime import interpreter as interp
+        import triton.language as tl
+        patch_lang, executor = interp._patch_lang, interp.GridExecutor
+        empty_scope = interp._LangPatchScope
+    except (ImportError, AttributeError):
+        return False
+    if getattr(patch_lang, "_tpcomm", False):
+        return True
+    langs = (tl, tl.core)
+
+    def _patch_lang(fn):
+        global _patched
+        if _patched is None:  # outside a launch: as Triton does it
+            return patch_lang(fn)
+        ids = _lang_ids(fn, langs)
+        if ids <= _patched:  # the launch patched these modules already
+            return empty_scope()
+        scope = patch_lang(fn)
+        _patched |= ids
+        return scope
+
+    launch = executor.__call__
+
+    def __call__(self, *args, **kwargs):
+        global _patched
+        outer, _patched = _patched, set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _patched = outer
+
+    _patch_lang._tpcomm = True
+    interp._patch_lang = _patch_lang
+    executor.__call__ = __call__
+    return True
