@@ -12,8 +12,9 @@ Protocol:
   * The owner polls its own flag with an ``acquire`` load at system scope (``atomic_add(p, 0)``, which
     Triton lowers to ``ld.acquire.sys``) until its low 32 bits equal the epoch, then runs a program-wide
     barrier before any thread loads the data. Flags are matched by equality (a slot left unwritten for
-    2**32 calls matches again: docs/reliability.md, after the fault table); flags are doubled by epoch parity (and by phase: two-shot exchanges twice), so a
-    peer one call ahead never overwrites a flag that is still awaited. A flag of the right epoch but
+    2**32 calls matches again: docs/reliability.md, after the fault table); flags are doubled by epoch
+    parity (and by phase: two-shot exchanges twice), so a peer one call ahead never overwrites a flag
+    that is still awaited. A flag of the right epoch but
     another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` (the
     call's outputs are then undefined, and the call raises).
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
