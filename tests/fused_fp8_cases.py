@@ -34,7 +34,29 @@ FP8_MANTISSA_BITS = 3
 
 
 @dataclass(frozen=True)
-class Fp8Case:
+class _FusedCase:
+    """What every quantised fused case has: the call, its inputs and its options (attributes as
+    :class:`Fp8Case`)."""
+
+    seed: int
+    shape: tuple
+    dtype: torch.dtype
+    algo: str
+    quant: str
+    residual: bool = True
+    gemma: bool = False
+    emit: bool = False
+    w_dtype: torch.dtype | None = None
+    max_bytes: int | None = None
+    special: bool = False
+    peak: bool = False
+    eps: float = 1e-6
+    tiny: bool = False
+    repeat: bool = False
+
+
+@dataclass(frozen=True)
+class Fp8Case(_FusedCase):
     """One quantised fused call.
 
     Attributes:
@@ -60,26 +82,11 @@ class Fp8Case:
             largest ``|v * w'|`` no longer gives the row's amax (``epilogue.out_amax``).
     """
 
-    seed: int
-    shape: tuple
-    dtype: torch.dtype
-    algo: str
-    quant: str
     fp8: torch.dtype = torch.float8_e4m3fn
     group: int = 32
     column_major: bool = False
-    residual: bool = True
-    gemma: bool = False
-    emit: bool = False
-    w_dtype: torch.dtype | None = None
-    max_bytes: int | None = None
-    special: bool = False
-    peak: bool = False
-    eps: float = 1e-6
-    tiny: bool = False
     scale: float | None = None
     scale_shape: tuple = ()
-    repeat: bool = False
 
     def scale_tensor(self) -> torch.Tensor | None:
         """``fp8_static``'s scale (a new float32 tensor of ``scale_shape``), None for the other forms."""
@@ -97,30 +104,15 @@ class Fp8Case:
 
 
 @dataclass(frozen=True)
-class Fp4Case:
+class Fp4Case(_FusedCase):
     """One fused call with an FP4 output (``quant="mxfp4"`` or ``"nvfp4"``); attributes as
     :class:`Fp8Case`, and ``swizzled`` (``swizzled_scales``), ``global_scale`` (NVFP4's ``scale``: 500
     maps a block amax of 5.4 to the block scale 448, so larger blocks saturate it and small ones get
     e4m3 subnormals), ``repeat`` (two more calls: NVFP4 with another global scale tensor, then that
     tensor with a new value; MXFP4 the same call again)."""
 
-    seed: int
-    shape: tuple
-    dtype: torch.dtype
-    algo: str
-    quant: str
     swizzled: bool = False
-    residual: bool = True
-    gemma: bool = False
-    emit: bool = False
-    w_dtype: torch.dtype | None = None
-    max_bytes: int | None = None
-    special: bool = False
-    peak: bool = False
-    eps: float = 1e-6
-    tiny: bool = False
     global_scale: float = 500.0
-    repeat: bool = False
 
     def scale_tensor(self, value: float | None = None) -> torch.Tensor | None:
         if self.quant != "nvfp4":

@@ -23,6 +23,7 @@ does, each step, which would hold the peers' launches back while a rank's kernel
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -160,9 +161,6 @@ def _lockstep(models: list, prompt: torch.Tensor, steps: int, issue) -> list[tup
     state = [(prompt, _ready_cache(m, prompt.device)) for m in models]
     tokens: list[list] = [[] for _ in models]
     logits: list[list] = [[] for _ in models]
-
-    import inspect
-
     # the KV cache's argument and output: ``cache`` in recent transformers, ``past_key_values`` before
     name = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
 
