@@ -26,6 +26,9 @@
 #   bash benchmarks/session.sh decode6   # ONE GPU (carry [".old2", ".whl"]): the loopback fault tests and graph
 #                                        # replays, then the decode bench (6144, 1-64 tokens, with TRT-LLM) of
 #                                        # this tree, of .old2/ and of this tree again
+#   bash benchmarks/session.sh decode7   # ONE GPU (carry [OLD, default ".old3", and ".whl"]): the loopback and FP8
+#                                        # GPU tests, then the decode bench (HIDDEN, default 6144; 1-64 tokens,
+#                                        # TRT-LLM beside) of this tree, of $OLD and of this tree again
 #   bash benchmarks/session.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
 #                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
 #                                        # loopback ranks, then the loopback GPU tests
@@ -184,6 +187,19 @@ decode5)
     timeout 60 python3 benchmarks/host_loopback.py --calls 200 --rounds 3 --tokens 1 --out $W/host_loopback.json \
         > $W/host_loopback.log 2>&1
     echo "host_loopback rc=$?" >> $W/summary.txt ;;
+decode7)
+    one_gpu_tests 240
+    for run in new old new2; do
+        if [ $run = old ]; then
+            cp tpcomm/bench/loopback.py tpcomm/bench/args.py ${OLD:-.old3}/tpcomm/bench/
+            (cd ${OLD:-.old3} && PYTHONPATH=. timeout 80 python3 -m tpcomm bench --loopback --hidden ${HIDDEN:-6144} \
+                --tokens 1,16,64 --json $W/bench-old.json > $W/bench-old.log 2>&1; echo "bench-old rc=$?" >> $W/summary.txt)
+        else
+            with_flashinfer timeout 100 python3 -m tpcomm bench --loopback --hidden ${HIDDEN:-6144} --tokens 1,16,64 \
+                --json $W/bench-$run.json > $W/bench-$run.log 2>&1
+            echo "bench-$run rc=$?" >> $W/summary.txt
+        fi
+    done ;;
 decode6)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py \
         -k "missing_peer or late_rank or another_call or graph_replays or repeated" > $W/fault_tests.log 2>&1

@@ -42,3 +42,31 @@ def every_op_every_algorithm(rank: int, world_size: int) -> list[str]:
                         bad.append(f"{tag}: reduce_scatter")
         comm.check()
     return bad
+
+
+def past_hoisted_ranks(rank: int, world_size: int) -> list[str]:
+    """More ranks than the kernels load address-table entries for at their start
+    (``kernels.sync.HOISTED_RANKS``): those kernels load each entry where they use it. All-reduce under
+    every kernel algorithm, the fused op under Lamport and one-shot, the all-gather; T = 3 x 24 bf16.
+    Returns what differs from the bit-exact reference."""
+    bad: list[str] = []
+    with tpcomm.Communicator(timeout_s=120) as comm:
+        T, H = 3, 24
+        xs = [(torch.randn(T, H, generator=torch.Generator().manual_seed(q)) * 4).to(torch.bfloat16)
+              for q in range(world_size)]
+        r = torch.randn(T, H, generator=torch.Generator().manual_seed(99)).to(torch.bfloat16)
+        w = torch.randn(H, generator=torch.Generator().manual_seed(98)).to(torch.bfloat16)
+        s = R.reduce_in_rank_order(xs)
+        out_ref, res_ref = R.add_rmsnorm_reference(s, r, w, 1e-6)
+        for algo in ("lamport", "one_shot", "two_shot"):
+            with comm.use_algorithm(algo):
+                if not torch.equal(comm.all_reduce(xs[rank]), s):
+                    bad.append(f"{algo}: all_reduce")
+                if algo != "two_shot":
+                    o, ro = comm.fused_add_rmsnorm(xs[rank], r, w, 1e-6)
+                    if not (torch.equal(o, out_ref) and torch.equal(ro, res_ref)):
+                        bad.append(f"{algo}: fused_add_rmsnorm")
+        if not torch.equal(comm.all_gather(xs[rank]), torch.cat(xs)):
+            bad.append("all_gather")
+        comm.check()
+    return bad

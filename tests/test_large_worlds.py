@@ -13,3 +13,12 @@ def test_every_op_and_algorithm_on_many_ranks(world_size):
     results = launch(large_world_cases.every_op_every_algorithm, world_size, "cpu", timeout_s=600)
     bad = {r: b for r, b in enumerate(results) if b}
     assert not bad, f"differences from the reference, by rank: {bad}"
+
+
+def test_more_ranks_than_hoisted_table_entries():
+    from tpcomm.kernels.sync import HOISTED_RANKS
+
+    world_size = HOISTED_RANKS.value + 1
+    results = launch(large_world_cases.past_hoisted_ranks, world_size, "cpu", timeout_s=600)
+    bad = {r: b for r, b in enumerate(results) if b}
+    assert not bad, f"differences from the reference, by rank: {bad}"

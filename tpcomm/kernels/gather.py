@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .launch import KernelCall
-from .sync import (check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr,
-                   start_program)
+from .sync import (base_ptr, check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, own_ptr,
+                   start_program, table_bases)
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -29,6 +29,8 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
+    flag_bases = table_bases(flag_table_ptr, WORLD)
     epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(word, timeout)
     alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
@@ -47,15 +49,15 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
             v = tl.load(x_ptr + row_start + cols, mask=mask)
             for q in tl.static_range(WORLD):
                 if q != rank:
-                    dst = peer_ptr(buf_table_ptr, q, DTYPE) + base + rank * slot_stride + row * row_stride
+                    dst = base_ptr(bases, buf_table_ptr, q, DTYPE, WORLD) + base + rank * slot_stride + row * row_stride
                     tl.store(dst + cols, v, mask=mask)
             tl.store(out_ptr + rank * out_rank_stride + row_start + cols, v, mask=mask)
 
-    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 2. Copy every peer's rows out of this rank's receive buffer.
-    recv = peer_ptr(buf_table_ptr, rank, DTYPE) + base
+    recv = own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + base
     for row in range(pid, n_rows, num_programs):
         row_start = row * width
         for t in tl.static_range(NUM_TILES):

@@ -42,8 +42,9 @@ from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_qua
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .launch import KernelCall
-from .sync import (ERR_MISMATCH, abort_index, abort_word, check_abort, finish_program, grace_ns, launch_timeout,
-                   now_ns, peer_ptr, record_error, record_timeout, start_program, store_abort)
+from .sync import (ERR_MISMATCH, abort_index, abort_word, base_ptr, check_abort, finish_program, grace_ns,
+                   launch_timeout, now_ns, own_ptr, record_error, record_timeout, start_program, store_abort,
+                   table_bases)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
@@ -166,6 +167,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
     epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(word, timeout)
     alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
@@ -184,7 +186,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
             bits = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
             for q in tl.static_range(WORLD):
                 if q != rank:
-                    dst = peer_ptr(buf_table_ptr, q, tl.int16)
+                    dst = base_ptr(bases, buf_table_ptr, q, tl.int16, WORLD)
                     tl.store(dst + dst_off + cols, bits, mask=mask)
     # ... and this program's call tag (signature and epoch) into each peer's tag [par][pid][rank]: not when
     # a peer gave up on this call (check_abort), so that no peer completes it.
@@ -193,7 +195,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     if alive:
         for q in tl.static_range(WORLD):
             if q != rank:
-                tl.store(peer_ptr(buf_table_ptr, q, tl.int64) + tag_idx + rank, tag)
+                tl.store(base_ptr(bases, buf_table_ptr, q, tl.int64, WORLD) + tag_idx + rank, tag)
 
     # The first row's residual and the weight, loaded now so that their latency hides under the wait.
     PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
@@ -205,10 +207,10 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
 
     # 2. Per row: wait for every peer's tiles and call tag, reduce + epilogue, re-arm the tiles read
     #    (inside the wait with REARM_IN_SPIN: no barrier).
-    tags = peer_ptr(buf_table_ptr, rank, tl.int64) + tag_idx
-    recv = peer_ptr(buf_table_ptr, rank, x_ptr.dtype.element_ty) + par * parity_stride
-    recv_bits = peer_ptr(buf_table_ptr, rank, tl.int16) + par * parity_stride
-    recv_words = peer_ptr(buf_table_ptr, rank, tl.int32) + par * (parity_stride // 2)
+    tags = own_ptr(bases, buf_table_ptr, rank, tl.int64, WORLD) + tag_idx
+    recv = own_ptr(bases, buf_table_ptr, rank, x_ptr.dtype.element_ty, WORLD) + par * parity_stride
+    recv_bits = own_ptr(bases, buf_table_ptr, rank, tl.int16, WORLD) + par * parity_stride
+    recv_words = own_ptr(bases, buf_table_ptr, rank, tl.int32, WORLD) + par * (parity_stride // 2)
     if VECTORS:  # this rank's first row, issued before the wait
         own = widen(tl.load(x_ptr + pid * H + offs, mask=(offs < H) & (pid * H + offs < numel), other=0.0))
     else:

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .launch import KernelCall
-from .sync import (check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr,
-                   start_program)
+from .sync import (base_ptr, check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, own_ptr,
+                   start_program, table_bases)
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -40,6 +40,8 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                      GROUP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
+    flag_bases = table_bases(flag_table_ptr, WORLD)
     epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(word, timeout)
     alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
@@ -58,7 +60,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
             v = tl.load(x_ptr + row_start + cols, mask=mask)
             for q in tl.static_range(WORLD):
                 if q != rank:
-                    dst = peer_ptr(buf_table_ptr, q, DTYPE)
+                    dst = base_ptr(bases, buf_table_ptr, q, DTYPE, WORLD)
                     tl.store(dst + dst_off + cols, v, mask=mask)
 
     # The first row's residual and the weight, loaded now so that their latency hides under the wait.
@@ -69,11 +71,11 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         res_pre, w_pre = offs, offs
 
     # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
-    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 3. Reduce in rank order and run the epilogue.
-    recv = peer_ptr(buf_table_ptr, rank, DTYPE) + par * parity_stride
+    recv = own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + par * parity_stride
     for row in range(pid, n_rows, num_programs):
         row_start = row * H
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,

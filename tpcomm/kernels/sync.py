@@ -80,10 +80,61 @@ def call_signature(*fields) -> int:
     return (crc & 0x3FFFFFFE) | 0x40000001
 
 
+#: Ranks whose table entries :func:`table_bases` loads at a kernel's start; a larger world (CPU ranks)
+#: loads each entry where it is used.
+HOISTED_RANKS = tl.constexpr(8)
+
+
 @triton.jit
-def peer_ptr(table_ptr, peer, DTYPE: tl.constexpr):
-    """Typed, 16-byte-aligned pointer to ``peer``'s buffer from an int64 address table."""
-    p = tl.load(table_ptr + peer).to(tl.pointer_type(DTYPE))
+def table_bases(table_ptr, WORLD: tl.constexpr):
+    """Entries ``0 .. 7`` of an int64 address table (the workspace's: written once at set-up, so a
+    kernel may read it before ``griddepcontrol.wait``), as a tuple for :func:`base_ptr` and
+    :func:`own_ptr`: those below ``WORLD`` loaded at once, the others entry 0 again (no load). A kernel
+    calls it first, so that the loads' latency overlaps its start atomic instead of following it (a
+    table entry loaded at its first use waits behind the atomic's round trip and the barrier that
+    broadcasts it); with ``WORLD`` above ``HOISTED_RANKS`` it loads only entry 0."""
+    b0 = tl.load(table_ptr)
+    b1, b2, b3, b4, b5, b6, b7 = b0, b0, b0, b0, b0, b0, b0
+    if WORLD <= HOISTED_RANKS:
+        if WORLD > 1:
+            b1 = tl.load(table_ptr + 1)
+        if WORLD > 2:
+            b2 = tl.load(table_ptr + 2)
+        if WORLD > 3:
+            b3 = tl.load(table_ptr + 3)
+        if WORLD > 4:
+            b4 = tl.load(table_ptr + 4)
+        if WORLD > 5:
+            b5 = tl.load(table_ptr + 5)
+        if WORLD > 6:
+            b6 = tl.load(table_ptr + 6)
+        if WORLD > 7:
+            b7 = tl.load(table_ptr + 7)
+    return b0, b1, b2, b3, b4, b5, b6, b7
+
+
+@triton.jit
+def base_ptr(bases, table_ptr, q: tl.constexpr, DTYPE: tl.constexpr, WORLD: tl.constexpr):
+    """Typed, 16-byte-aligned pointer to peer ``q``'s buffer (``q`` a constant) from
+    :func:`table_bases`'s ``bases`` (from the int64 address table itself past ``HOISTED_RANKS``)."""
+    if WORLD <= HOISTED_RANKS:
+        p = bases[q].to(tl.pointer_type(DTYPE))
+    else:
+        p = tl.load(table_ptr + q).to(tl.pointer_type(DTYPE))
+    return tl.multiple_of(p, 16)
+
+
+@triton.jit
+def own_ptr(bases, table_ptr, rank, DTYPE: tl.constexpr, WORLD: tl.constexpr):
+    """:func:`base_ptr` of ``rank``, a run-time value (one binary serves every rank): a chain of
+    selects over ``bases``, no load (from the table past ``HOISTED_RANKS``)."""
+    if WORLD <= HOISTED_RANKS:
+        b = bases[0]
+        for q in tl.static_range(1, WORLD):
+            b = tl.where(rank == q, bases[q], b)
+        p = b.to(tl.pointer_type(DTYPE))
+    else:
+        p = tl.load(table_ptr + rank).to(tl.pointer_type(DTYPE))
     return tl.multiple_of(p, 16)
 
 
@@ -288,25 +339,26 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
 
 
 @triton.jit
-def signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD: tl.constexpr):
+def signal_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, WORLD: tl.constexpr):
     """Publish this program's stores to every peer: a program-wide barrier (so the release covers every
     thread's stores), then one flag per peer, in slot ``flag_off + rank`` of its signal pad
-    (``flag_off`` is :func:`flag_offset` of this phase)."""
+    (``flag_off`` is :func:`flag_offset` of this phase; ``flag_bases`` :func:`table_bases` of
+    ``flag_table_ptr``)."""
     tl.debug_barrier()
     value = flag_value(epoch, signature)
     for q in tl.static_range(WORLD):
         if q != rank:
-            send_flag(peer_ptr(flag_table_ptr, q, tl.int64) + flag_off + rank, value)
+            send_flag(base_ptr(flag_bases, flag_table_ptr, q, tl.int64, WORLD) + flag_off + rank, value)
 
 
 @triton.jit
-def wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+def wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
                abort_off, WORLD: tl.constexpr):
     """Wait for the same program of every peer to signal this phase, then a program-wide barrier (so no
     thread reads before the wait). Returns the timeout left for later waits: ``timeout``, or 0 once a
     wait failed. ``abort_off``: int64 elements from a rank's signal pad to its state word
     (``Workspace.abort_offset("flag")``)."""
-    own = peer_ptr(flag_table_ptr, rank, tl.int64) + flag_off
+    own = own_ptr(flag_bases, flag_table_ptr, rank, tl.int64, WORLD) + flag_off
     for q in tl.static_range(WORLD):
         if q != rank:
             ok = wait_flag(own + q, epoch, signature, q, program, timeout, err_ptr, state_ptr,
@@ -317,14 +369,14 @@ def wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeou
 
 
 @triton.jit
-def exchange_flags(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+def exchange_flags(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
                    abort_off, alive, WORLD: tl.constexpr):
     """:func:`signal_peers` (when ``alive``: :func:`check_abort`) then :func:`wait_peers`: publish this
     program's stores and wait for the same program of every peer. Returns the timeout left for later
     waits."""
     if alive:
-        signal_peers(flag_table_ptr, flag_off, epoch, signature, rank, WORLD)
-    return wait_peers(flag_table_ptr, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+        signal_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, WORLD)
+    return wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
                       abort_off, WORLD)
 
 

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, SUM_LOAD, no_quant_args, reduce_norm_row, reduce_tile, round_to
 from .launch import KernelCall
-from .sync import (check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, peer_ptr,
-                   signal_peers, start_program, wait_peers)
+from .sync import (base_ptr, check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, own_ptr,
+                   signal_peers, start_program, table_bases, wait_peers)
 
 
 @triton.jit
@@ -78,6 +78,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                      PDL: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
+    flag_bases = table_bases(flag_table_ptr, WORLD)
     epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
     timeout = launch_timeout(word, timeout)
     alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
@@ -94,18 +96,18 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
             if o != rank:
                 if j < share_len(o, n_rows, WORLD):
                     row_start = (share_start(o, n_rows, WORLD) + j) * H
-                    dst = peer_ptr(buf_table_ptr, o, DTYPE) + base + rank * slot_stride + jj * row_stride
+                    dst = base_ptr(bases, buf_table_ptr, o, DTYPE, WORLD) + base + rank * slot_stride + jj * row_stride
                     for t in tl.static_range(NUM_TILES):
                         cols = t * BLOCK_H + offs
                         mask = (cols < H) & (row_start + cols < numel)
                         tl.store(dst + cols, tl.load(x_ptr + row_start + cols, mask=mask), mask=mask)
-    timeout = exchange_flags(flag_table_ptr, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
     #    reduce-scatter or a plain all-reduce; the epilogue's input otherwise) and to the second half of
     #    slot `rank` of every peer.
-    recv = peer_ptr(buf_table_ptr, rank, DTYPE) + base
+    recv = own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + base
     my_start = share_start(rank, n_rows, WORLD)
     my_len = share_len(rank, n_rows, WORLD)
     gather_off = base + rank * slot_stride + half_stride
@@ -123,13 +125,13 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                 if not SCATTER_ONLY:
                     for q in tl.static_range(WORLD):
                         if q != rank:
-                            tl.store(peer_ptr(buf_table_ptr, q, DTYPE) + gather_off + jj * row_stride + cols, s,
+                            tl.store(base_ptr(bases, buf_table_ptr, q, DTYPE, WORLD) + gather_off + jj * row_stride + cols, s,
                                      mask=mask)
 
     if not SCATTER_ONLY:
         flags = flag_offset(par, 1, pid, pad_programs, WORLD)
         if alive:
-            signal_peers(flag_table_ptr, flags, epoch, signature, rank, WORLD)
+            signal_peers(flag_table_ptr, flag_bases, flags, epoch, signature, rank, WORLD)
         # 3a. While the peers' sums travel: the epilogue of this rank's own rows, from s in out (in place).
         if NORM:
             for jj in range(pid, n_local, num_programs):
@@ -143,7 +145,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                     eps, rank, offs, offs, False, offs,
                                     WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                     QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
-        timeout = wait_peers(flag_table_ptr, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
+        timeout = wait_peers(flag_table_ptr, flag_bases, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
                              abort_off, WORLD)
         # 3b. The epilogue of every peer's row j, from the gathered sums.
         for jj in range(pid, n_local, num_programs):
