@@ -29,6 +29,9 @@
 #   bash benchmarks/session.sh decode7   # ONE GPU (carry [OLD, default ".old3", and ".whl"]): the loopback and FP8
 #                                        # GPU tests, then the decode bench (HIDDEN, default 6144; 1-64 tokens,
 #                                        # TRT-LLM beside) of this tree, of $OLD and of this tree again
+#   TREES=". .old" bash benchmarks/session.sh ab  # ONE GPU (carry [".whl"] and each tree): the decode bench
+#                                        # (HIDDEN, TOKENS) of each tree in turn, TRT-LLM beside the first;
+#                                        # TESTS=1: then the loopback and FP8 GPU tests
 #   bash benchmarks/session.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
 #                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
 #                                        # loopback ranks, then the loopback GPU tests
@@ -39,7 +42,7 @@
 # exit status is 1 when a step's summary line records a non-zero rc.
 : "${OUT:?OUT must name the folder whose files come back (the device tool sets it)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
-W="$OUT/work"; mkdir -p "$W"
+W="$OUT/work"; mkdir -p "$W"; ROOT=$(pwd)
 
 # Every GPU test file: four pytest processes at once (compiling dominates; 32 cores), each within $1
 # seconds, then the hygiene file alone within $2 (it counts this machine's /dev/shm files).
@@ -67,8 +70,8 @@ one_gpu_tests() {
 # Run "$@" with FlashInfer importable: its wheels and AOT modules from .whl/ (carry [".whl"]; see
 # docs/benchmarks.md "FlashInfer on the GPU machine") installed into a temporary site.
 with_flashinfer() {
-    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
-    mkdir -p "$site/flashinfer/data/aot" && cp -r .whl/aot/* "$site/flashinfer/data/aot/"
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" $ROOT/.whl/*.whl
+    mkdir -p "$site/flashinfer/data/aot" && cp -r $ROOT/.whl/aot/* "$site/flashinfer/data/aot/"
     PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 "$@"
 }
 
@@ -200,6 +203,20 @@ decode7)
             echo "bench-$run rc=$?" >> $W/summary.txt
         fi
     done ;;
+ab)
+    # Kernel A/B: the decode bench (HIDDEN, TOKENS) of each tree of TREES in turn, the first with TRT-LLM
+    # beside (carry [".whl"] and every tree: a copy of the package, e.g. `git archive <commit> tpcomm |
+    # tar -x -C .old`); then, with TESTS=1, the loopback and FP8 GPU tests of this tree.
+    first=1
+    for tree in ${TREES:-.}; do
+        name=$(basename $(cd $tree && pwd))
+        [ "$tree" = . ] || cp tpcomm/bench/loopback.py tpcomm/bench/args.py $tree/tpcomm/bench/
+        if [ $first = 1 ]; then run=with_flashinfer; else run=env; fi; first=0
+        (cd $tree && $run timeout ${BENCH_S:-100} python3 -m tpcomm bench --loopback --hidden ${HIDDEN:-6144} \
+            --tokens ${TOKENS:-1,16,64} --json $W/bench-$name.json > $W/bench-$name.log 2>&1
+         echo "bench-$name rc=$?" >> $W/summary.txt)
+    done
+    [ "${TESTS:-0}" = 1 ] && one_gpu_tests 240 ;;
 decode6)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py \
         -k "missing_peer or late_rank or another_call or graph_replays or repeated" > $W/fault_tests.log 2>&1
@@ -237,7 +254,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|model"; exit 2 ;;
+    echo "usage: bash benchmarks/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|decode7|ab|model"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"

@@ -42,9 +42,9 @@ from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_qua
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .launch import KernelCall
-from .sync import (ERR_MISMATCH, abort_index, abort_word, base_ptr, check_abort, finish_program, grace_ns,
-                   launch_timeout, now_ns, own_ptr, record_error, record_timeout, start_program, store_abort,
-                   table_bases)
+from .sync import (ERR_MISMATCH, ERR_TIMEOUT, abort_index, abort_word, base_ptr, check_abort, finish_program,
+                   grace_ns, launch_timeout, now_ns, own_ptr, record_error, record_lanes, record_timeout,
+                   store_abort, table_bases, take_ticket, wait_previous)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
@@ -112,30 +112,30 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
 
 
 @triton.jit
-def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, rank, epoch,
-              program, signature, timeout, err_ptr, state_ptr, table_ptr, abort_off, WORLD: tl.constexpr,
-              BLOCK_H: tl.constexpr, REARM: tl.constexpr, DTYPE: tl.constexpr):
+def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, rank, epoch, program, signature,
+              deadline, grace_end, tell_at, record, err_ptr, state_ptr, table_ptr, abort_off,
+              WORLD: tl.constexpr, BLOCK_H: tl.constexpr, REARM: tl.constexpr, DTYPE: tl.constexpr):
     """The wait of a row of one tile, every thread on its own 16-byte vectors (:func:`spin.spin_vectors`),
-    and the row's sum: ``(acc, timeout)``, ``acc`` the tile summed over the ranks in rank order in float32
-    from +0.0 (this rank's row ``own``, float32, every peer's as its spin loaded it: the additions
-    of ``epilogue.reduce_tile``; -0.0 pushed as +0.0 adds the same), and the timeout left for later
-    waits (0 once a wait failed; ``acc`` is then undefined). ``recv_words_ptr``: int32 pointer to this
-    row in slot 0 of this rank's receive buffer; ``slot_words``: int32 words between slots. Statuses are
-    combined once, after every peer's spin: one block-wide max of ``status * 256 + peer``, so the error
-    recorded names a peer that made another call before one that timed out. With ``REARM`` each
-    thread re-armed its vectors inside its spin; otherwise the caller re-arms after a barrier. Past the
-    timeout each spin stores this rank's abort word in the awaited peer once (``table_ptr``,
-    ``abort_off``: ``sync.store_abort``), goes on for the grace (``sync.grace_ns``), and withdraws the
-    word if the vector then arrives; with a timeout of 0 (an earlier failure) it stores nothing.
-    Requires ``H``, ``numel`` and the row's start to be multiples of 8 elements (whole vectors)."""
+    and the row's sum ``acc``: the tile summed over the ranks in rank order in float32 from +0.0 (this
+    rank's row ``own``, float32, every peer's as its spin loaded it: the additions of
+    ``epilogue.reduce_tile``; -0.0 pushed as +0.0 adds the same); undefined where a wait failed.
+    ``recv_words_ptr``: int32 pointer to this row in slot 0 of this rank's receive buffer;
+    ``slot_words``: int32 words between slots. ``deadline`` and ``grace_end`` (``%globaltimer`` ns) are
+    the call's, shared by every row of the program, so a program of many rows gives up after one
+    timeout; past the deadline each spin stores this rank's abort word in the awaited peer once
+    (``tell_at``: ``sync.abort_index``, or -1 to store none, the wait of a call that already failed;
+    ``table_ptr``, ``abort_off``: ``sync.store_abort``), goes on until ``grace_end`` and withdraws the
+    word if the vector then arrives. No block-wide step: each thread combines its own statuses (per
+    vector, ``status * 256 + peer``, the largest: a peer that made another call before one that timed
+    out) and, with ``record`` (no earlier failure of this call), records its own failure
+    (``sync.record_lanes``); the lanes of a program see the same call tags, so they name the same
+    peer and code, whatever lane's record lands last. With ``REARM`` each thread re-armed its vectors
+    inside its spin; otherwise the caller re-arms after a barrier. Requires ``H``, ``numel`` and the
+    row's start to be multiples of 8 elements (whole vectors)."""
     vi = tl.arange(0, BLOCK_H // 8)
     active = (vi * 8 < H) & (row_start + vi * 8 < numel)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     want_low = tag_low(epoch)
-    deadline = now_ns() + timeout.to(tl.int64)
-    grace_end = deadline + grace_ns(timeout).to(tl.int64)
-    # a wait that gives up at once tells no peer
-    tell_at = tl.where(timeout > 0, abort_index(abort_off, program, rank, WORLD), -1)
     fault = tl.zeros([BLOCK_H // 8], dtype=tl.int32)
     for q in tl.static_range(WORLD):
         if q == rank:
@@ -146,13 +146,11 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
                                                   tell_at, epoch, grace_end, REARM)
             fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
             acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
-    worst = tl.max(fault, axis=0)
-    if (worst >= 512) & (timeout > 0):  # timeout 0: an earlier error is recorded already, and stays
-        record_error(err_ptr, state_ptr, ERR_MISMATCH, worst % 256, epoch, program, signature)
-    elif (worst >= 256) & (timeout > 0):  # timeout 0: an earlier error is recorded already
-        record_timeout(err_ptr, state_ptr, worst % 256, epoch, program, signature)
-    timeout = tl.where(worst != 0, 0, timeout)
-    return acc, timeout
+    # status 2 (another call's tag): ERR_MISMATCH; 1 (timed out): ERR_TIMEOUT
+    code = tl.where(fault >= 512, ERR_MISMATCH, ERR_TIMEOUT)
+    failed = (fault != 0) & (fault * 0 + record.to(tl.int32) != 0)  # a tensor mask (the interpreter's too)
+    record_lanes(err_ptr, state_ptr, code, fault % 256, failed, epoch, program, signature)
+    return acc
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -168,12 +166,20 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
-    epoch, ticket, word = start_program(state_ptr, num_programs, PDL)
+    offs = tl.arange(0, BLOCK_H)
+    wait_previous(PDL)
+    # Rows of one tile: the first row's input, loaded before the start atomic as well (it is pushed as
+    # soon as the epoch is known, and is the wait's own term).
+    ONE_TILE: tl.constexpr = NUM_TILES == 1
+    if ONE_TILE:
+        first = tl.load(x_ptr + pid * H + offs, mask=(offs < H) & (pid * H + offs < numel), other=0.0)
+    else:
+        first = offs
+    epoch, ticket, word = take_ticket(state_ptr)
     timeout = launch_timeout(word, timeout)
     alive = check_abort(state_ptr, word, rank, epoch, pid, signature, err_ptr, timeout, WORLD)
     timeout = tl.where(alive, timeout, 0)
     par = epoch & 1
-    offs = tl.arange(0, BLOCK_H)
 
     # 1. Push, -0.0 stored as +0.0 so no element carries the sentinel.
     for row in range(pid, n_rows, num_programs):
@@ -182,7 +188,11 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            bits = tl.load(x_ptr + row_start + cols, mask=mask).to(tl.int16, bitcast=True)
+            if ONE_TILE:
+                v = tl.where(row == pid, first, tl.load(x_ptr + row_start + cols, mask=mask & (cols * 0 + row != pid)))
+            else:
+                v = tl.load(x_ptr + row_start + cols, mask=mask)
+            bits = v.to(tl.int16, bitcast=True)
             bits = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
             for q in tl.static_range(WORLD):
                 if q != rank:
@@ -211,17 +221,20 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     recv = own_ptr(bases, buf_table_ptr, rank, x_ptr.dtype.element_ty, WORLD) + par * parity_stride
     recv_bits = own_ptr(bases, buf_table_ptr, rank, tl.int16, WORLD) + par * parity_stride
     recv_words = own_ptr(bases, buf_table_ptr, rank, tl.int32, WORLD) + par * (parity_stride // 2)
-    if VECTORS:  # this rank's first row, issued before the wait
-        own = widen(tl.load(x_ptr + pid * H + offs, mask=(offs < H) & (pid * H + offs < numel), other=0.0))
+    if VECTORS:  # this rank's first row (-0.0 or +0.0 adds the same to a sum that is never -0.0)
+        own = widen(first)
+        deadline = now_ns() + timeout  # the call's: every row's wait ends by it
+        grace_end = deadline + grace_ns(timeout)
+        tell_at = tl.where(timeout > 0, abort_index(abort_off, pid, rank, WORLD), -1)  # -1: tell no peer
     else:
         own = offs.to(tl.float32)
     for row in range(pid, n_rows, num_programs):
         row_start = row * H
         if VECTORS:  # one tile, every thread on its own 16-byte vectors
-            acc, timeout = _spin_row(own, recv_words + row * (row_stride // 2), slot_stride // 2,
-                                     row_start, numel, H, tags, rank, epoch, pid, signature,
-                                     timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD,
-                                     BLOCK_H, REARM_IN_SPIN, x_ptr.dtype.element_ty)
+            acc = _spin_row(own, recv_words + row * (row_stride // 2), slot_stride // 2, row_start, numel, H,
+                            tags, rank, epoch, pid, signature, deadline, grace_end, tell_at, timeout > 0,
+                            err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD, BLOCK_H, REARM_IN_SPIN,
+                            x_ptr.dtype.element_ty)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
         elif NUM_TILES == 1:  # rows not in whole vectors: a block-wide poll; the epilogue reads the tile again
             mask = (offs < H) & (row_start + offs < numel)

@@ -393,6 +393,21 @@ def record_error(err_ptr, state_ptr, code, peer, epoch, program, signature):
 
 
 @triton.jit
+def record_lanes(err_ptr, state_ptr, code, peer, failed, epoch, program, signature):
+    """:func:`record_error` from the lanes where ``failed`` (``code``, ``peer``: int32 tensors of its
+    shape), each lane its own stores, with no block-wide step: for a wait whose lanes finish
+    independently. Lanes that record at once must agree on ``code`` and ``peer`` (the words are
+    stored one by one, the code last, and any lane's store may land last)."""
+    z = peer * 0
+    tl.store(err_ptr + 1 + z, peer, mask=failed)
+    tl.store(err_ptr + 2 + z, epoch + z, mask=failed)
+    tl.store(err_ptr + 3 + z, program + z, mask=failed)
+    tl.store(err_ptr + 4 + z, signature + z, mask=failed)
+    tl.store(err_ptr + z, code, mask=failed)
+    tl.atomic_or(state_ptr + z, BROKEN_BIT, mask=failed, sem="relaxed", scope="sys")
+
+
+@triton.jit
 def record_timeout(err_ptr, state_ptr, peer, epoch, program, signature):
     """:func:`record_error` with ``ERR_TIMEOUT``."""
     record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program, signature)
@@ -407,29 +422,40 @@ def launch_timeout(word, timeout):
 
 
 @triton.jit
-def start_program(state_ptr, num_programs, PDL: tl.constexpr):
+def wait_previous(PDL: tl.constexpr):
+    """With ``PDL`` (the launch carries programmatic dependent launch, ``Workspace.pdl``): wait until
+    the previous kernel on the stream has finished and its writes are visible (``griddepcontrol.wait``:
+    the epoch, the re-armed buffers, the input), then let the next kernel on the stream start launching
+    (``griddepcontrol.launch_dependents``; its programs wait here too). The next launch's set-up then
+    overlaps this kernel instead of following it. Nothing without ``PDL``. A kernel reads nothing the
+    previous one may write (its input, the state word, the buffers) before this."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def take_ticket(state_ptr):
     """``(epoch, ticket, word)`` of this program: the epoch of this launch, this program's place in the
     order the programs started (``0 .. num_programs - 1``; :func:`finish_program` lets the last one
     advance the epoch), and the whole state word (its flags: :func:`launch_timeout`,
     :func:`check_abort`). All three come from one 64-bit ``atomic_add`` of one start ticket on the
-    state word at ``state_ptr``, every kernel's first global memory access: the epoch a program uses and
-    its ticket come from the same read, so the last starter sees every other program's read before its
-    own, and every thread of the program gets the same value. The atomic's round trip overlaps the
-    start of the program's work instead of following its end (docs/benchmarks.md, "Decode kernels").
-
-    With ``PDL`` (the launch carries programmatic dependent launch, ``Workspace.pdl``): first wait until
-    the previous kernel on the stream has finished and its writes are visible (``griddepcontrol.wait``:
-    the epoch, the re-armed buffers, the input), then let the next kernel on the stream start launching
-    (``griddepcontrol.launch_dependents``; its programs wait in their own ``start_program``). The next
-    launch's set-up then overlaps this kernel instead of following it.
-    """
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    state word at ``state_ptr``: the epoch a program uses and its ticket come from the same read, so
+    the last starter sees every other program's read before its own, and every thread of the program
+    gets the same value. The atomic's round trip overlaps the start of the program's work instead of
+    following its end (docs/benchmarks.md, "Decode kernels"). Call it after :func:`wait_previous`."""
     word = tl.atomic_add(state_ptr, 1 << 32, sem="relaxed", scope="sys")
     epoch = word.to(tl.int32)
     ticket = ((word >> 32) & COUNTER_BITS).to(tl.int32)
     return epoch, ticket, word
+
+
+@triton.jit
+def start_program(state_ptr, num_programs, PDL: tl.constexpr):
+    """:func:`wait_previous`, then :func:`take_ticket`: ``(epoch, ticket, word)``, the start of a kernel
+    whose first access after the wait is the state word."""
+    wait_previous(PDL)
+    return take_ticket(state_ptr)
 
 
 @triton.jit
