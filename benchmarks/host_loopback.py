@@ -9,8 +9,9 @@ two ``--calls`` (e.g. 25 and 200) to see whether a batch waits for a full launch
 ``--rounds`` times, interleaved with the others and with ``add_``; each number is the median of its rounds. Each op is timed with new outputs and
 with outputs passed (``out=`` etc.), the FP8 forms per token and per group, at 1 and 64 tokens; then
 once more with ``TPCOMM_DIRECT_LAUNCH=0`` semantics (replays through ``kernel[grid]``), and in graph
-mode (median of 20 replays of 50 calls) for the graph-timing check. Every result is checked against
-``tpcomm.reference`` first. Prints a table and writes JSON to ``--out``.
+mode (median of 20 replays of 50 calls) for the graph-timing check. Where FlashInfer is installed, its
+TRT-LLM one-shot calls (all-reduce, fused, fused FP8 per token, outputs passed) are timed the same way
+in the same rounds. Every result is checked against ``tpcomm.reference`` first. Prints a table and writes JSON to ``--out``.
 
     PYTHONPATH=. python benchmarks/host_loopback.py [--calls 200] [--rounds 9] [--hidden 6144] [--out F]
 """
@@ -61,6 +62,44 @@ def _ops(T, H, ranks, xs, res, w):
         "all_gather": (lambda rk: rk.all_gather(x(rk)), lambda got, r: _same(got, torch.cat(xs))),
         "reduce_scatter": (lambda rk: rk.reduce_scatter(x(rk)), lambda got, r: _same(got, share(r))),
     }
+
+
+def _trtllm_ops(T, H, ranks, xs, res, w):
+    """FlashInfer's TRT-LLM one-shot calls with their outputs passed, as ``_ops`` gives tpcomm's (checked
+    once here), or ``{}`` without FlashInfer."""
+    try:
+        import warnings
+
+        from tpcomm.bench.loopback import TrtllmLoopback
+        warnings.simplefilter("ignore")
+        lb = TrtllmLoopback(len(ranks), T, H)
+    except ImportError:
+        return {}
+    outs = [(torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
+             torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
+             torch.empty(T, H, device="cuda", dtype=torch.float8_e4m3fn),
+             torch.empty(T, 1, device="cuda", dtype=torch.float32)) for _ in ranks]
+    given = {"all_reduce": lambda o: (o[0],), "fused": lambda o: (o[0], o[1]), "fused_fp8": lambda o: (o[2], o[3], o[1])}
+    ops = {}
+    for op, name in (("all_reduce", "trtllm all_reduce out="), ("fused", "trtllm fused out="),
+                     ("fused_fp8", "trtllm fp8/token out=")):
+        def fn(rank, op=op):
+            lb.call(rank.rank, op, xs[rank.rank], res, w, 1e-6, given[op](outs[rank.rank]))
+        current = torch.cuda.current_stream()
+        for rank in ranks:  # one call of every rank, then the check
+            rank.stream.wait_stream(current)
+            with torch.cuda.stream(rank.stream):
+                fn(rank)
+        for rank in ranks:
+            current.wait_stream(rank.stream)
+        torch.cuda.synchronize()
+        s = R.reduce_in_rank_order(xs)
+        want = s if op == "all_reduce" else R.add_rmsnorm_reference(s, res, w, 1e-6)[0]
+        got = outs[0][0] if op != "fused_fp8" else outs[0][2].float() * outs[0][3]
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 0.07 * want.float().abs().max().item(), f"{name} T={T}: wrong result ({err})"
+        ops[name] = (fn, None)
+    return ops
 
 
 def host_us(ranks, fn, calls):
@@ -115,6 +154,7 @@ def main():
                     got = run_ranks(ranks, fn)
                 torch.cuda.synchronize()
                 assert all(ok(got[r], r) for r in range(len(ranks))), f"{name} T={T}: wrong result"
+            peer = _trtllm_ops(T, H, ranks, xs, res, w)
             for direct in (True, False):
                 for rank in ranks:
                     for entry in rank._calls._entries.values():  # replays through kernel[grid] when False
@@ -125,11 +165,12 @@ def main():
                             elif not direct:
                                 replay.direct = False
                         entry.direct = direct and all(r.direct for r in entry.replays)
-                samples = {name: [] for name in ops}
+                timed = dict(ops, **(peer if direct else {}))
+                samples = {name: [] for name in timed}
                 samples["torch add_"] = []
                 for _ in range(a.rounds):
                     samples["torch add_"].append(host_us(ranks, lambda rank: y.add_(1), a.calls))
-                    for name, (fn, _) in ops.items():
+                    for name, (fn, _) in timed.items():
                         samples[name].append(host_us(ranks, fn, a.calls))
                 add = statistics.median(v for per_rank in samples["torch add_"] for v in per_rank)
                 for name, values in samples.items():

@@ -53,7 +53,12 @@ def body(rank, world, calls):
     r, w = x.clone(), torch.ones(6144, dtype=torch.bfloat16)
     big = torch.randn(64, 6144).to(torch.bfloat16)
     y = torch.empty_like(x)
+    o, ro = torch.empty_like(x), torch.empty_like(x)
+    q, s = torch.empty(1, 6144, dtype=torch.float8_e4m3fn), torch.empty(1, 1)
     ops = {"fused T=1": lambda: comm.fused_add_rmsnorm(x, r, w),
+           "fused T=1 out=": lambda: comm.fused_add_rmsnorm(x, r, w, out=o, residual_out=ro),
+           "fused FP8/token T=1 out=": lambda: comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_token", q_out=q,
+                                                                      scales_out=s, residual_out=ro),
            "fused FP8/token T=1": lambda: comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_token"),
            "fused FP8/group T=1": lambda: comm.fused_add_rmsnorm(x, r, w, quant="fp8_per_group"),
            "all_reduce T=1": lambda: comm.all_reduce(x),

@@ -1,22 +1,23 @@
-"""Where the host time of a repeated eager call goes, on ONE GPU with loopback ranks: each part of the
-cached path timed alone (the call's key, the cache look-up, the new output, the replay's launch through
-the compiled kernel's launcher with tensors and with addresses), then ``cProfile`` of whole calls.
+"""Where the host time of a repeated eager call goes, on ONE GPU with loopback ranks: for each op with its
+outputs passed, the whole call, the call with the compiled kernel's launcher replaced by a no-op (tpcomm's
+Python: key, cache look-up, checks, replay), and the launcher alone with the recorded parameters; beside
+them torch's ``y.add_(1)`` and, where FlashInfer is installed, its TRT-LLM fusion call (the peer's whole
+call), all timed the same way; then ``cProfile`` of whole calls.
 
-Method as ``host_loopback.py``: rank 0 issues ``--calls`` calls, then rank 1 (the GPU pairs them); a part
-that launches nothing runs ``--calls`` times alone. Prints µs per call of each part and the profile's top
-entries by own time.
+Method as ``host_loopback.py``: rank 0 issues ``--calls`` calls inside its stream context, then rank 1
+(the GPU pairs them); each part is the median over ``--rounds`` rounds of the ranks' mean. Prints µs per
+call of each part.
 
-    PYTHONPATH=. python benchmarks/host_profile.py [--calls 200] [--hidden 6144] [--tokens 1]
+    PYTHONPATH=. python benchmarks/host_profile.py [--calls 200] [--rounds 5] [--hidden 6144] [--tokens 1]
 """
 import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
-
-from tpcomm import call_cache
 
 
 def per_call(fn, calls):
@@ -26,18 +27,24 @@ def per_call(fn, calls):
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def both_ranks(ranks, fn, calls):
-    """µs per call of ``fn(rank)``: each rank's batch in its stream context, the median of the ranks."""
+def both_ranks(ranks, fn, calls, streams=None):
+    """µs per call of ``fn(r)`` (``r`` the rank index): each rank's batch in its stream context, the
+    mean of the ranks."""
     current = torch.cuda.current_stream()
+    streams = streams or [rank.stream for rank in ranks]
     out = []
-    for rank in ranks:
-        rank.stream.wait_stream(current)
-        with torch.cuda.stream(rank.stream):
-            out.append(per_call(lambda: fn(rank), calls))
-    for rank in ranks:
-        current.wait_stream(rank.stream)
+    for r, s in enumerate(streams):
+        s.wait_stream(current)
+        with torch.cuda.stream(s):
+            out.append(per_call(lambda: fn(r), calls))
+    for s in streams:
+        current.wait_stream(s)
     torch.cuda.synchronize()
     return sum(out) / len(out)
+
+
+def _no_launcher(*args):
+    return None
 
 
 def main():
@@ -45,6 +52,7 @@ def main():
 
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hidden", type=int, default=6144)
     p.add_argument("--tokens", type=int, default=1)
     a = p.parse_args()
@@ -54,70 +62,83 @@ def main():
         xs = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in ranks]
         res = torch.randn(T, H, device="cuda").to(torch.bfloat16)
         w = torch.randn(H, device="cuda").to(torch.bfloat16)
-        ops = {"all_reduce": lambda rk: rk.all_reduce(xs[rk.rank]),
-               "fused": lambda rk: rk.fused_add_rmsnorm(xs[rk.rank], res, w)}
-        for fn in ops.values():
+        outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in ranks]
+        res_outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in ranks]
+        q = [torch.empty(T, H, device="cuda", dtype=torch.float8_e4m3fn) for _ in ranks]
+        sc = [torch.empty(T, 1, device="cuda", dtype=torch.float32) for _ in ranks]
+        ops = {
+            "all_reduce out=": lambda r: ranks[r].all_reduce(xs[r], out=outs[r]),
+            "fused out=": lambda r: ranks[r].fused_add_rmsnorm(xs[r], res, w, out=outs[r], residual_out=res_outs[r]),
+            "fp8/token out=": lambda r: ranks[r].fused_add_rmsnorm(xs[r], res, w, quant="fp8_per_token", q_out=q[r],
+                                                                   scales_out=sc[r], residual_out=res_outs[r]),
+        }
+        recorded = {}  # per op, each rank's entry that its calls recorded
+        for name, fn in ops.items():
+            before = [set(rk._calls._entries) for rk in ranks]
             for _ in range(3):
-                run_ranks(ranks, fn)
+                run_ranks(ranks, lambda rk: fn(rk.rank))
+            recorded[name] = [[e for k, e in rk._calls._entries.items() if k not in seen]
+                              for rk, seen in zip(ranks, before)]
         torch.cuda.synchronize()
         y = torch.zeros(1, H, device="cuda", dtype=torch.bfloat16)
-        rows = [("torch add_", both_ranks(ranks, lambda rk: y.add_(1), a.calls))]
+        parts = {"torch add_": lambda r: y.add_(1)}
         for name, fn in ops.items():
-            rows.append((f"{name}: whole call", both_ranks(ranks, fn, a.calls)))
-        rk = ranks[0]
-        x = xs[0]
-        key = call_cache.all_reduce_key(x, None, rk.algorithm, True)
-        entry = rk._calls.get(key)
-        rows.append(("all_reduce: key",
-                     per_call(lambda: call_cache.all_reduce_key(x, None, rk.algorithm, True), a.calls)))
-        rows.append(("all_reduce: cache get", per_call(lambda: rk._calls.get(key), a.calls)))
-        o = entry.outputs[0]
-        rows.append(("all_reduce: new output",
-                     per_call(lambda: torch.empty_strided(o[0], o[1], dtype=o[2], device=o[3]), a.calls)))
-        rows.append(("raw stream handle", per_call(lambda: torch._C._cuda_getCurrentRawStream(0), a.calls)))
-        rows.append(("error word check", per_call(lambda: rk.workspace._err_words[0], a.calls)))
-        outs = [torch.empty_like(x) for _ in ranks]
-        entries = [r._calls.get(call_cache.all_reduce_key(xs[r.rank], None, r.algorithm, True)) for r in ranks]
-        rows.append(("all_reduce: _replay", both_ranks(
-            ranks, lambda r: r._replay("all_reduce", entries[r.rank], (xs[r.rank], outs[r.rank])), a.calls)))
-        raw = {}
-        for r in ranks:
-            rp = entries[r.rank].replays[0]
-            raw[r.rank] = rp
-        print("replays per call:", len(entries[0].replays), "direct:", entries[0].direct,
-              "params:", len(raw[0]._params),
-              "tensor params:", sum(isinstance(v, torch.Tensor) for v in raw[0]._params))
+            parts[f"{name}: whole call"] = fn
+            parts[f"{name}: tpcomm Python (no launcher)"] = ("no launcher", fn)
+            per_rank = recorded[name]
+            if not all(len(e) == 1 and len(e[0].replays) == 1 and e[0].direct for e in per_rank):
+                print(f"{name}: not one direct replay per call: {per_rank}")
+                continue
+            rps = [e[0].replays[0] for e in per_rank]
 
-        def launch(r):
-            rp = raw[r.rank]
-            rp.launch((xs[r.rank], outs[r.rank]), torch._C._cuda_getCurrentRawStream(0))
-        rows.append(("all_reduce: replay.launch", both_ranks(ranks, launch, a.calls)))
-        # the same launch with every tensor parameter passed as its address
-        ints = {r.rank: [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in raw[r.rank]._params]
-                for r in ranks}
+            def launch(r, rps=rps):  # the launcher alone, with the parameters of the rank's last call
+                rp = rps[r]
+                rp._run(rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, rp._meta, None, None,
+                        None, *rp._params)
+            tensors = sum(isinstance(v, torch.Tensor) for v in rps[0]._params)
+            parts[f"{name}: launcher alone ({len(rps[0]._params)} params, {tensors} tensors)"] = launch
+        streams = {}
+        try:
+            from tpcomm.bench.loopback import TrtllmLoopback
+            import warnings
 
-        def launch_ints(r):
-            rp = raw[r.rank]
-            params = ints[r.rank]
-            for j, targets in zip(rp._sources, rp._targets):
-                ptr = (xs[r.rank], outs[r.rank])[j].data_ptr()
-                for i in targets:
-                    params[i] = ptr
-            rp._run(rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, rp._meta, None, None, None,
-                    *params)
-        rows.append(("all_reduce: launcher, addresses only", both_ranks(ranks, launch_ints, a.calls)))
-        launcher = raw[0]._run
-        print("launcher:", type(launcher), {k: getattr(launcher, k, None) for k in (
-            "global_scratch_size", "profile_scratch_size", "launch_pdl", "launch_cooperative_grid")})
-        for name, us in rows:
-            print(f"{name:40s} {us:8.2f} us")
+            warnings.simplefilter("ignore")
+            lb = TrtllmLoopback(len(ranks), T, H)
+            trt_streams = [torch.cuda.Stream() for _ in ranks]
+            q2 = [torch.empty(T, H, device="cuda", dtype=torch.float8_e4m3fn) for _ in ranks]
+            for op in ("all_reduce", "fused", "fused_fp8"):
+                o = {"all_reduce": lambda r: (outs[r],), "fused": lambda r: (outs[r], res_outs[r]),
+                     "fused_fp8": lambda r: (q2[r], sc[r], res_outs[r])}[op]
+                parts[f"trtllm {op} (outputs given)"] = (lambda r, op=op, o=o: lb.call(r, op, xs[r], res, w, 1e-6, o(r)))
+                streams[f"trtllm {op} (outputs given)"] = trt_streams
+        except ImportError as e:
+            print("no FlashInfer:", e)
+        samples = {name: [] for name in parts}
+        for _ in range(a.rounds):
+            for name, fn in parts.items():
+                if isinstance(fn, tuple):  # tpcomm's Python alone: every recorded launcher a no-op
+                    fn = fn[1]
+                    saved = [(rp, rp._run) for rk in ranks for e in rk._calls._entries.values() for rp in e.replays]
+                    for rp, _ in saved:
+                        rp._run = _no_launcher
+                    try:
+                        samples[name].append(both_ranks(ranks, fn, a.calls))
+                    finally:
+                        for rp, run in saved:
+                            rp._run = run
+                else:
+                    samples[name].append(both_ranks(ranks, fn, a.calls, streams.get(name)))
+        add = statistics.median(samples["torch add_"])
+        for name, values in samples.items():
+            us = statistics.median(values)
+            print(f"{name:62s} {us:8.2f} us  {us / add:5.2f}x add_")
         for name, fn in ops.items():
             prof = cProfile.Profile()
             prof.enable()
             both_ranks(ranks, fn, a.calls)
             prof.disable()
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
             print(f"== cProfile {name}, {2 * a.calls} calls\n" + s.getvalue())
         for r in ranks:
             r.check()

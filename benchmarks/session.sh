@@ -30,7 +30,10 @@
 #                                        # GPU tests, then the decode bench (HIDDEN, default 6144; 1-64 tokens,
 #                                        # TRT-LLM beside) of this tree, of $OLD and of this tree again
 #   TREES=". .old" bash benchmarks/session.sh ab  # ONE GPU (carry [".whl"] and each tree): the decode bench
-#                                        # (HIDDEN, TOKENS) of each tree in turn, TRT-LLM beside the first;
+#                                        # (HIDDEN, TOKENS) of each tree in turn, TRT-LLM beside the first
+#                                        # (BENCH=0: none);
+#                                        # HOST=1: then the eager host path of each tree
+#                                        # (benchmarks/host_profile.py) and of every op (host_loopback.py);
 #                                        # TESTS=1: then the loopback and FP8 GPU tests
 #   bash benchmarks/session.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
 #                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
@@ -208,7 +211,7 @@ ab)
     # beside (carry [".whl"] and every tree: a copy of the package, e.g. `git archive <commit> tpcomm |
     # tar -x -C .old`); then, with TESTS=1, the loopback and FP8 GPU tests of this tree.
     first=1
-    for tree in ${TREES:-.}; do
+    for tree in $([ "${BENCH:-1}" = 1 ] && echo ${TREES:-.}); do  # BENCH=0: no decode bench
         name=$(basename $(cd $tree && pwd))
         [ "$tree" = . ] || cp tpcomm/bench/loopback.py tpcomm/bench/args.py $tree/tpcomm/bench/
         if [ $first = 1 ]; then run=with_flashinfer; else run=env; fi; first=0
@@ -216,6 +219,16 @@ ab)
             --tokens ${TOKENS:-1,16,64} --json $W/bench-$name.json > $W/bench-$name.log 2>&1
          echo "bench-$name rc=$?" >> $W/summary.txt)
     done
+    if [ "${HOST:-0}" = 1 ]; then  # the eager host path of each tree (TRT-LLM's call beside), then every op's
+        for tree in ${TREES:-.}; do
+            name=$(basename $(cd $tree && pwd))
+            (cd $tree && with_flashinfer timeout 120 python3 $ROOT/benchmarks/host_profile.py > $W/host_profile-$name.log 2>&1
+             echo "host_profile-$name rc=$?" >> $W/summary.txt)
+        done
+        with_flashinfer timeout ${HOST_S:-150} python3 benchmarks/host_loopback.py --calls 200 --rounds 5 \
+            --out $W/host_loopback.json > $W/host_loopback.log 2>&1
+        echo "host_loopback rc=$?" >> $W/summary.txt
+    fi
     [ "${TESTS:-0}" = 1 ] && one_gpu_tests 240 ;;
 decode6)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py \

@@ -33,9 +33,9 @@ class LaunchLog:
             log.full.append(call.kernel.__name__)
             return log._launch(call)
 
-        def replay(r, tensors, stream=None):
+        def replay(r, tensors, stream=None, ptrs=None):
             log.replayed.append(r.kernel.__name__)
-            return log._replay(r, tensors, stream)
+            return log._replay(r, tensors, stream, ptrs)
 
         comm._launch = launch
         klaunch.Replay.launch = replay

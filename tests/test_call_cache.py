@@ -117,6 +117,33 @@ def test_replay_launches_with_the_new_tensors_in_its_slots():
     assert call.params[0] is x  # the recorded call is unchanged
 
 
+def test_alignment_pattern_and_overlap_of_addresses():
+    """The hit path's checks on the addresses it read once: the alignment pattern tells every
+    misaligned tensor apart from an aligned one (0 only when all are aligned), and the fused call's
+    overlap check finds a given output that shares a byte with an input or another output, but not an
+    in-place residual_out, an empty output or a missing tensor."""
+    from tpcomm import call_cache
+
+    assert call_cache.alignment(4096, 0, 8192) == 0
+    assert call_cache.alignment(4096 + 2, 0, 8192) != 0 and call_cache.alignment(4096, 0, 8192 + 2) != 0
+    assert call_cache.alignment(4096 + 2, 8192) != call_cache.alignment(4096, 8192 + 2)
+    n = 1024  # bytes of every tensor; slots: x, residual, weight, out, residual_out, q, scales, scale
+    nbytes = (n, n, 64, n, n, 0, 0, 0)
+    base = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 0, 0, 0]
+    clear = call_cache._outputs_clear
+    assert clear(base, nbytes, False)
+    for k, into in ((3, 0), (3, 1), (3, 2), (4, 0), (4, 3)):  # an output starting inside x, residual, ...
+        ptrs = list(base)
+        ptrs[k] = base[into] + 2
+        assert not clear(ptrs, nbytes, False), (k, into)
+    in_place = list(base)
+    in_place[4] = base[1]  # residual_out is residual
+    assert clear(in_place, nbytes, True) and not clear(in_place, nbytes, False)
+    empty = list(base)
+    empty[3] = base[0]
+    assert clear(empty, (n, n, 64, 0, n, 0, 0, 0), False)  # an empty out shares nothing
+
+
 def test_direct_replay_runs_the_launcher_unless_a_launch_hook_is_set():
     """A direct replay calls the compiled kernel's launcher when Triton's launch hooks run nothing (None,
     or an empty hook chain as Triton 3.5+ keeps them), and goes through ``kernel[grid]`` (which runs

@@ -357,6 +357,45 @@ def test_repeated_calls_replay_the_first_calls_bits(monkeypatch, direct, algo):
         close_group(ranks)
 
 
+def test_a_misaligned_input_after_aligned_calls_is_launched_for_its_alignment():
+    """Calls recorded with 16-byte-aligned tensors, then the same shapes with ``x`` (and given outputs)
+    starting one element into their storage, then aligned again: the misaligned calls take the full
+    path (Triton specialises each pointer on its alignment, so a replay of the aligned kernel would read
+    the wrong vectors), and every call matches the reference on every rank."""
+    from tpcomm import reference as R
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    ranks = loopback_group(2, max_bytes=8 << 20, timeout_s=20.0)
+    try:
+        T, H = 2, 4096
+        xs, res, w = _inputs(2, T, H, torch.bfloat16, seed=91)
+        s = R.reduce_in_rank_order(xs)
+        o_ref, ro_ref = R.add_rmsnorm_reference(s, res, w, 1e-6)
+
+        def offset(t):  # the same values, contiguous, one element into a larger storage
+            buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+            view = buf[1:1 + t.numel()].view(t.shape)
+            view.copy_(t)
+            return view
+
+        layouts = {"aligned": [x.clone() for x in xs], "offset": [offset(x) for x in xs]}
+        outs = {"aligned": [torch.empty_like(o_ref) for _ in ranks], "offset": [offset(o_ref) for _ in ranks]}
+        for rep, name in enumerate(("aligned", "aligned", "offset", "offset", "aligned")):
+            x_of, out_of = layouts[name], outs[name]
+            ar = run_ranks(ranks, lambda rank: rank.all_reduce(x_of[rank.rank]))
+            given = run_ranks(ranks, lambda rank: rank.fused_add_rmsnorm(x_of[rank.rank], res, w, 1e-6,
+                                                                         out=out_of[rank.rank]))
+            torch.cuda.synchronize()
+            for r in range(2):
+                where = f"call {rep} ({name}), rank {r}"
+                assert _same(ar[r], s), f"{where}: all_reduce"
+                assert _same(given[r][0], o_ref) and _same(given[r][1], ro_ref), f"{where}: fused"
+        for rank in ranks:
+            rank.check()
+    finally:
+        close_group(ranks)
+
+
 def test_fail_close_create_cycles_leak_nothing():
     """20 times: a loopback group, a right call, a mismatch (rank 0 with a residual, rank 1 without:
     ``PeerMismatchError``), close: every cycle raises, later groups work, and device memory and open files

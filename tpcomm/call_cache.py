@@ -3,15 +3,17 @@
 A call's **key** holds everything its validation, plan and launches depend on: the op; each tensor
 argument's type, shape, dtype, strides and device, and which arguments are one object; every scalar
 argument with its type (so ``eps=True`` and ``eps=1`` differ, as validation tells them apart); the
-algorithm in force (``use_algorithm``, ``TPCOMM_ALGO``); on CUDA, each pointer's 16-byte alignment
-(which Triton specialises on). A call whose arguments give no key (None for a tensor, an unhashable
-scalar) takes the full path, which names the argument. The first call
+algorithm in force (``use_algorithm``, ``TPCOMM_ALGO``). A call whose arguments give no key (None for a
+tensor, an unhashable scalar) takes the full path, which names the argument. The first call
 with a key runs the full path: it validates, plans, compiles and launches, and records each launch as a
 :class:`~tpcomm.kernels.launch.Replay` whose tensor parameters are slots for the call's tensors. A later
 call with the same key checks what two such calls can still differ in (the communicator is open, no
 error is recorded, an ``out`` that overlaps ``x`` in part, given outputs that overlap an input),
 allocates its outputs, and replays the
-launches with its own tensors: the same kernels, grids and parameters, so the same bits.
+launches with its own tensors: the same kernels, grids and parameters, so the same bits. A hit reads
+each tensor's address once: the entry holds the recording call's 16-byte alignment pattern (on CUDA
+Triton specialises each pointer on it: another pattern takes the full path, which records it) and each
+tensor's size in bytes (fixed by the key), from which the overlap checks and the launches work.
 
 Only calls whose validation passed are recorded, so an invalid call never matches a key and raises what
 the full path raises, on every call. Calls that are not recorded, and take the full path every time:
@@ -66,14 +68,21 @@ class CachedCall:
             tensor (``torch.empty_strided`` makes the same), ``LIKE_X`` where that is the layout of the
             call's input ``x`` (``torch.empty_like(x)`` makes it), or None where the caller passed it or
             the call has none.
+        alignment: :func:`alignment` of the recording call's tensors (``tensors``, in slot order; 0
+            when ``cuda`` is False: only CUDA launches are specialised on it).
+        nbytes: each of those tensors' size in bytes (0 for None).
     """
 
-    __slots__ = ("replays", "direct", "spec", "outputs")
+    __slots__ = ("replays", "direct", "spec", "outputs", "alignment", "nbytes")
 
-    def __init__(self, replays: tuple, spec: tuple, outputs: tuple, x: torch.Tensor | None = None):
+    def __init__(self, replays: tuple, spec: tuple, outputs: tuple, tensors: tuple = (), cuda: bool = False):
         self.replays = replays
         self.direct = all(r.direct for r in replays)
         self.spec = spec
+        x = tensors[0] if tensors else None
+        #: the recording call's tensors' alignment pattern (:func:`alignment`; 0 off CUDA) and sizes
+        self.alignment = alignment(*(0 if t is None else t.data_ptr() for t in tensors)) if cuda else 0
+        self.nbytes = tuple(0 if t is None else t.nbytes for t in tensors)
         like = None if x is None else (tuple(x.shape), x.stride(), x.dtype, x.device)
         layouts = (None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs)
         self.outputs = tuple(LIKE_X if o is not None and o == like else o for o in layouts)
@@ -157,37 +166,36 @@ def _tensor(t) -> bool:
     return (type(t) is _Tensor or type(t) is _PARAMETER) and not t.is_neg()
 
 
-def alignment(*tensors) -> int:
-    """Each tensor's address modulo 16, four bits a tensor (None: 0): Triton specialises pointer
-    parameters on 16-byte alignment, so a direct replay must see the same pattern (0: all aligned)."""
+def alignment(*ptrs: int) -> int:
+    """Each address modulo 16, four bits an address (0 for a missing tensor): Triton specialises
+    pointer parameters on 16-byte alignment, so a replay must see its recording's pattern (0: all
+    aligned)."""
     a = 0
-    for t in tensors:
-        a = a << 4 | (0 if t is None else t.data_ptr() & 15)
+    for p in ptrs:
+        a = a << 4 | p & 15
     return a
 
 
-def all_reduce_key(x, out, algorithm: str, cuda: bool) -> tuple | None:
+def all_reduce_key(x, out, algorithm: str) -> tuple | None:
     if not _tensor(x) or not _plain(out):
         return None
     if out is None or out is x:
-        return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out is x, algorithm,
-                alignment(x) if cuda else 0)
+        return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out is x, algorithm)
     return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out.shape, out.dtype, out.stride(), out.device,
-            algorithm, alignment(x, out) if cuda else 0)
+            algorithm)
 
 
 def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
-              emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str, cuda: bool,
+              emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str,
               scale=None, swizzled_scales=False) -> tuple | None:
     """Key of ``fused_add_rmsnorm``; ``scale``: the input scale of ``quant='fp8_static'`` or ``'nvfp4'``
     (or None)."""
     if not _tensor(x) or not _tensor(weight) or not _plain(residual):
         return None
-    if scale is not None:  # a static scale: its layout, and its 16-byte alignment on CUDA
+    if scale is not None:  # a static scale: its layout
         if not _tensor(scale):
             return None
-        scale_key = ("scale", scale.shape, scale.dtype, scale.stride(), scale.device,
-                     scale.data_ptr() & 15 if cuda else 0)
+        scale_key = ("scale", scale.shape, scale.dtype, scale.stride(), scale.device)
     else:
         scale_key = ()
     # which arguments are one object: the recorded slots follow that pattern
@@ -200,7 +208,7 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
         key += ("fp8", fp8_dtype, group_size.__class__, group_size, column_major_scales.__class__, column_major_scales,
                 emit_unquantized.__class__, emit_unquantized, swizzled_scales.__class__, swizzled_scales)
     if out is None and residual_out is None and q_out is None and scales_out is None:
-        return key + (alignment(x, residual, weight) if cuda else 0,)
+        return key
     if not _plain(out, residual_out, q_out, scales_out):
         return None
     key += ("outputs",)
@@ -211,88 +219,108 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
     else:
         key += (None,) if residual_out is None else (residual_out.shape, residual_out.dtype, residual_out.stride(),
                                                      residual_out.device)
-    return key + (alignment(x, residual, weight, out, residual_out, q_out, scales_out) if cuda else 0,)
+    return key
 
 
-def dim_key(op: str, x, dim, algorithm: str, cuda: bool) -> tuple | None:
+def dim_key(op: str, x, dim, algorithm: str) -> tuple | None:
     """Key of ``all_gather`` / ``reduce_scatter``."""
     if not _tensor(x):
         return None
-    return (op, x.shape, x.dtype, x.stride(), x.device, dim.__class__, dim, algorithm, alignment(x) if cuda else 0)
+    return (op, x.shape, x.dtype, x.stride(), x.device, dim.__class__, dim, algorithm)
 
 
 # -- hits -------------------------------------------------------------------------------------------
 def all_reduce_hit(comm, entry: CachedCall, x, out):
     """A repeated ``all_reduce``, or None: take the full path (an ``out`` that overlaps ``x`` in part,
-    which the full path reduces from a copy)."""
+    which the full path reduces from a copy, or another alignment)."""
+    px = x.data_ptr()
     if out is None:
         out = _new(entry.outputs[0], x)
-    elif out is not x and 0 < abs(out.data_ptr() - x.data_ptr()) < x.numel() * x.element_size():
+    elif out is not x and 0 < abs(out.data_ptr() - px) < entry.nbytes[0]:
         return None
-    comm._replay("all_reduce", entry, (x, out))
+    ptrs = (px, out.data_ptr())
+    if entry.alignment != (alignment(*ptrs) if comm._cuda else 0):
+        return None
+    comm._replay("all_reduce", entry, (x, out), ptrs)
     return out
 
 
 def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out, scale=None):
     """A repeated ``fused_add_rmsnorm``, or None: take the full path (a given output overlaps an input or
-    another output). ``entry.spec``: ``(quant, emit_unquantized, swizzled_scales)``; ``entry.outputs``: out,
-    residual_out, q, scales (None for a static scale: ``scale``, the input, is the kernels' scales
-    argument and the returned scales). ``scale`` (static FP8's, NVFP4's global one) is the replays' last
-    tensor; on the CPU it is read, as the full path reads it: a value that is not finite and positive
-    takes the full path, which raises."""
+    another output, or another alignment). ``entry.spec``: ``(quant, emit_unquantized,
+    swizzled_scales)``; ``entry.outputs``: out, residual_out, q, scales (None for a static scale:
+    ``scale``, the input, is the kernels' scales argument and the returned scales). ``scale`` (static
+    FP8's, NVFP4's global one) is the replays' last tensor; on the CPU it is read, as the full path
+    reads it: a value that is not finite and positive takes the full path, which raises."""
     if scale is not None and not scale.is_cuda and not 0.0 < float(scale.reshape(())) < _INF:
         return None
-    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
-        given = (out, None if residual_out is residual else residual_out, q_out, scales_out)
-        if not _outputs_clear(given, (x, residual, weight, scale)):
-            return None
     o, ro, qo, so = entry.outputs
-    if out is None and o is not None:  # None: FP8 bytes only, out not written (the kernels take residual_out)
-        out = _new(o, x)
-    if ro is not None and residual_out is None:
-        residual_out = _new(ro, x)
     quant, emit, swizzled = entry.spec
+    # the tensors in slot order, each address read once (0: no tensor, or one allocated below)
+    tensors = [x, residual, weight, out, residual_out, q_out, scales_out, scale]
+    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
+        if not _outputs_clear(ptrs, entry.nbytes, residual_out is residual):
+            return None
+    if out is None and o is not None:  # None: FP8 bytes only, out not written (the kernels take residual_out)
+        tensors[3] = out = _new(o, x)
+    if ro is not None and residual_out is None:
+        tensors[4] = residual_out = _new(ro, x)
+    if qo is not None:
+        tensors[5] = _new(qo, x)
+    if so is not None:  # a new swizzled FP4 buffer's padding is zero, as the full path allocates it
+        tensors[6] = torch.zeros(so[0], dtype=so[2], device=so[3]) if swizzled else _new(so, x)
+    elif quant == "fp8_static":  # the input scale is the kernels' scales argument and the returned scales
+        tensors[6], ptrs[6] = scale, ptrs[7]
+    for k in (3, 4, 5, 6):
+        if ptrs[k] == 0 and tensors[k] is not None:
+            ptrs[k] = tensors[k].data_ptr()
+    if entry.alignment != (alignment(*ptrs) if comm._cuda else 0):
+        return None
+    comm._replay("fused_add_rmsnorm", entry, tensors, ptrs)
     if quant is None:
-        comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, None, None, None))
         return out, residual_out
-    q = q_out if qo is None else _new(qo, x)
-    if so is None:
-        scales = scale if quant == "fp8_static" else scales_out
-    else:  # a new swizzled FP4 buffer's padding is zero, as the full path allocates it
-        scales = torch.zeros(so[0], dtype=so[2], device=so[3]) if swizzled else _new(so, x)
-    comm._replay("fused_add_rmsnorm", entry, (x, residual, weight, out, residual_out, q, scales, scale))
-    return q, scales, residual_out, (out if emit else None)
+    return tensors[5], tensors[6], residual_out, (out if emit else None)
 
 
-def _outputs_clear(outputs: tuple, inputs: tuple) -> bool:
-    """Whether the given outputs (None: not given) share no byte with each other or with the inputs
-    (every tensor of a recorded call is contiguous, so each is the span of its bytes; an empty one
-    shares nothing). An in-place ``residual_out`` is passed as None: it is ``residual`` itself, which
-    the kernels read and write row by row. :func:`tpcomm.validate.overlapping` on the hit path."""
-    spans = []  # the outputs' so far; an input is compared with every output, an output with the earlier
-    n_out = len(outputs)
-    for k, t in enumerate(outputs + inputs):
-        if t is not None:
-            p = t.data_ptr()
-            e = p + t.numel() * t.element_size()
-            if e > p:
-                for s0, e0 in spans:
-                    if p < e0 and s0 < e:
-                        return False
-                if k < n_out:
-                    spans.append((p, e))
+#: Slots of a fused call's tensors (``fused_hit``): the inputs and the outputs.
+_FUSED_INPUTS, _FUSED_OUTPUTS = (0, 1, 2, 7), (3, 4, 5, 6)
+
+
+def _outputs_clear(ptrs: list, nbytes: tuple, residual_in_place: bool) -> bool:
+    """Whether the given outputs of a fused call share no byte with each other or with the inputs.
+    ``ptrs``: the addresses of ``(x, residual, weight, out, residual_out, q, scales, scale)`` (0: not
+    given), ``nbytes`` their sizes (every tensor of a recorded call is contiguous, so each is the span
+    of its bytes; an empty one shares nothing). An in-place ``residual_out`` is ``residual`` itself,
+    which the kernels read and write row by row: it is left out. :func:`tpcomm.validate.overlapping`
+    on the hit path."""
+    outs = [(ptrs[k], ptrs[k] + nbytes[k]) for k in _FUSED_OUTPUTS
+            if ptrs[k] and nbytes[k] and not (k == 4 and residual_in_place)]
+    ins = [(ptrs[j], ptrs[j] + nbytes[j]) for j in _FUSED_INPUTS if ptrs[j] and nbytes[j]]
+    for i, (p, e) in enumerate(outs):
+        for p0, e0 in ins:
+            if p < e0 and p0 < e:
+                return False
+        for p0, e0 in outs[i + 1:]:
+            if p < e0 and p0 < e:
+                return False
     return True
 
 
 def gather_hit(comm, entry: CachedCall, x):
-    """A repeated ``all_gather`` along dim 0."""
-    out = _new(entry.outputs[0], x)
-    comm._replay("all_gather", entry, (x, out))
-    return out
+    """A repeated ``all_gather`` along dim 0, or None (another alignment: the full path)."""
+    return _dim_hit(comm, "all_gather", entry, x)
 
 
 def scatter_hit(comm, entry: CachedCall, x):
-    """A repeated ``reduce_scatter`` along dim 0."""
+    """A repeated ``reduce_scatter`` along dim 0, or None (another alignment: the full path)."""
+    return _dim_hit(comm, "reduce_scatter", entry, x)
+
+
+def _dim_hit(comm, op: str, entry: CachedCall, x):
     out = _new(entry.outputs[0], x)
-    comm._replay("reduce_scatter", entry, (x, out))
+    ptrs = (x.data_ptr(), out.data_ptr())
+    if entry.alignment != (alignment(*ptrs) if comm._cuda else 0):
+        return None
+    comm._replay(op, entry, (x, out), ptrs)
     return out

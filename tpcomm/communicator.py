@@ -257,7 +257,7 @@ class Communicator:
                 :class:`PeerMismatchError` when it made a different call.
         """
         op = "all_reduce"
-        key = call_cache.all_reduce_key(x, out, self.algorithm, self._cuda)
+        key = call_cache.all_reduce_key(x, out, self.algorithm)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
             y = call_cache.all_reduce_hit(self, entry, x, out)
@@ -381,7 +381,7 @@ class Communicator:
         op = "fused_add_rmsnorm"
         key = call_cache.fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
                                    column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out,
-                                   self.algorithm, self._cuda, scale, swizzled_scales)
+                                   self.algorithm, scale, swizzled_scales)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
             outs = call_cache.fused_hit(self, entry, x, residual, weight, out, residual_out, q_out, scales_out,
@@ -478,7 +478,7 @@ class Communicator:
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "all_gather"
-        key = call_cache.dim_key(op, x, dim, self.algorithm, self._cuda)
+        key = call_cache.dim_key(op, x, dim, self.algorithm)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
             return call_cache.gather_hit(self, entry, x)
@@ -542,7 +542,7 @@ class Communicator:
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "reduce_scatter"
-        key = call_cache.dim_key(op, x, dim, self.algorithm, self._cuda)
+        key = call_cache.dim_key(op, x, dim, self.algorithm)
         entry = self._calls.get(key)
         if entry is not None and not self._closed:
             return call_cache.scatter_hit(self, entry, x)
@@ -675,11 +675,11 @@ class Communicator:
                                                             ws.state, ws.err), self._direct,
                                         self.device.index)
             if replays is not None:
-                self._calls.put(key, call_cache.CachedCall(replays, spec, outputs, tensors[0]))
+                self._calls.put(key, call_cache.CachedCall(replays, spec, outputs, tensors, self._cuda))
 
-    def _replay(self, op: str, entry, tensors: tuple) -> None:
-        """Launch a cached call's replays with ``tensors`` (:meth:`_launching`'s checks and ordering, without
-        its generator)."""
+    def _replay(self, op: str, entry, tensors, ptrs) -> None:
+        """Launch a cached call's replays with ``tensors`` (their addresses ``ptrs``, read once by the
+        caller) under :meth:`_launching`'s checks and ordering, without its generator."""
         with self._lock:
             if self._closed:
                 self._check_open(op)
@@ -688,7 +688,7 @@ class Communicator:
                 self.check(op)
             stream = self._order_streams() if self._cuda else None
             for replay in entry.replays:
-                replay.launch(tensors, stream)
+                replay.launch(tensors, stream, ptrs)
             if err[0]:
                 self.check(op)
 

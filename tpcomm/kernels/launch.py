@@ -132,6 +132,40 @@ def _same_kernel(call: KernelCall, compiled) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _pointer_attribute():
+    """The CUDA driver's ``cuPointerGetAttribute`` (through ``ctypes``), or None where it cannot be
+    loaded."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: ``CU_POINTER_ATTRIBUTE_DEVICE_POINTER``: the address a kernel uses for a host or device pointer.
+_DEVICE_POINTER = 3
+
+
+def device_address(t: torch.Tensor) -> int | None:
+    """The address a kernel uses for tensor ``t``'s memory, as Triton's launcher translates a tensor
+    argument on every launch (``cuPointerGetAttribute``; for pinned host memory under unified
+    addressing, the host address itself), or None where the driver does not say."""
+    import ctypes
+
+    fn = _pointer_attribute()
+    if fn is None or t.data_ptr() == 0:
+        return None
+    out = ctypes.c_uint64(0)
+    if fn(ctypes.byref(out), _DEVICE_POINTER, t.data_ptr()) != 0:
+        return None
+    return out.value
+
+
 def _idle(hook) -> bool:
     """Whether a launch hook of ``triton.knobs.runtime`` runs nothing: None, or (Triton 3.5+, where each
     hook is a ``HookChain``) a chain without calls. Anything else (a profiler's hook) sends a replay
@@ -180,10 +214,11 @@ class Replay:
     def bind_launcher(self, run, function, packed_metadata) -> None:
         """Replay through ``run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
         enter_hook, exit_hook, *params)`` (a compiled kernel's launcher and its arguments), pointer
-        parameters as addresses: the slots' and the workspace's device tables' (the launcher asks the
-        driver to translate each tensor it is given; device addresses translate to themselves, so only
-        host tensors, the pinned error words, stay tensors). The tables outlive the cache, which the
-        communicator clears before it frees them."""
+        parameters as addresses: the slots', the workspace's device tables' and the pinned error words'
+        (the launcher asks the driver to translate each tensor it is given, a driver call per tensor
+        and launch; here the error words are translated once, :func:`device_address`, and stay a
+        tensor only where the driver cannot say). The tables and the error words outlive the cache,
+        which the communicator clears before it frees them."""
         from triton import knobs
 
         self.direct = True
@@ -193,23 +228,26 @@ class Replay:
         self._run, self._function, self._meta = run, function, packed_metadata
         for i, _ in self.slots:
             self._params[i] = 0
-        for i, p in enumerate(self._params):  # the workspace's device tables: their addresses, read once
-            if isinstance(p, torch.Tensor) and p.is_cuda:
-                self._params[i] = p.data_ptr()
+        for i, p in enumerate(self._params):  # the workspace's tensors: their addresses, read once
+            if isinstance(p, torch.Tensor):
+                address = p.data_ptr() if p.is_cuda else device_address(p)
+                if address is not None:
+                    self._params[i] = address
         # each tensor's address read once, however many parameters take it
         self._sources = tuple(dict.fromkeys(j for _, j in self.slots))
         self._targets = tuple(tuple(i for i, j in self.slots if j == src) for src in self._sources)
 
-    def launch(self, tensors: tuple, stream: int | None = None) -> None:
+    def launch(self, tensors, stream: int | None = None, ptrs=None) -> None:
         """Launch with ``tensors[j]`` in each slot ``(i, j)`` (any tensor with the recorded one's memory:
         ``kernel[grid]`` gets it viewed as the recorded dtype, e.g. FP8 bytes as ``uint8``). ``stream``:
-        the raw CUDA stream (``torch._C._cuda_getCurrentRawStream``), needed by a direct replay."""
+        the raw CUDA stream (``torch._C._cuda_getCurrentRawStream``), needed by a direct replay;
+        ``ptrs``: the tensors' addresses where the caller has read them (a direct replay takes those)."""
         hooks = self._hooks if self.direct else None
         if (hooks is not None and _idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)
                 and self._current_device() == self.device_index):
-            params = self._params  # addresses (and the pinned error words): no caller's tensor stays referenced
+            params = self._params  # addresses only: no caller's tensor stays referenced
             for j, targets in zip(self._sources, self._targets):
-                ptr = tensors[j].data_ptr()
+                ptr = tensors[j].data_ptr() if ptrs is None else ptrs[j]
                 for i in targets:
                     params[i] = ptr
             self._run(self.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
