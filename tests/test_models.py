@@ -44,10 +44,10 @@ def test_a_model_that_does_not_divide_is_refused(pool2, what, word):
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma"])
-def test_the_lockstep_loop_decodes_as_generate_does(model):
-    """The loop that decodes loopback ranks one step at a time (``models.demo._lockstep``, with no host
-    read inside a step) gives the unsharded model's tokens and logits of ``generate``, KV cache and
-    Gemma's sliding window included."""
+def test_the_static_cache_loop_decodes_as_generate_does(model):
+    """The loop that decodes loopback ranks one step at a time (``models.demo.static_decode``: a static
+    KV cache, no host read inside a step; eagerly here, as CUDA graphs need a GPU) gives the unsharded
+    model's tokens and logits of ``generate``, Gemma's sliding window (filled half-way on CPU) included."""
     import torch
 
     from tpcomm.models import demo
@@ -56,6 +56,19 @@ def test_the_lockstep_loop_decodes_as_generate_does(model):
     m = demo.make_model(cfg)
     prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=torch.Generator().manual_seed(1))
     tokens, logits = demo.greedy(m, prompt, cfg.steps)
-    [(lt, ll)] = demo._lockstep([m], prompt, cfg.steps, lambda step: step(0))
-    assert torch.equal(lt, tokens), f"lockstep tokens {lt.tolist()}, generate's {tokens.tolist()}"
+    [(lt, ll)] = demo.static_decode([m], prompt, cfg.steps, lambda step: step(0))
+    assert torch.equal(lt, tokens), f"static-cache tokens {lt.tolist()}, generate's {tokens.tolist()}"
     assert torch.allclose(ll, logits, rtol=0, atol=1e-5), float((ll - logits).abs().max())
+
+
+def test_graph_safe_refuses_a_sliding_window_that_fills():
+    """A CUDA graph of one decode step is replayed only where no sliding-window layer fills (its static
+    cache takes another branch, chosen on the host, once full)."""
+    from tpcomm.models import demo
+
+    cfg = model_cases.small("gemma", 2, steps=4)
+    m = demo.make_model(cfg)  # CPU: the window fills half-way through the decode steps
+    assert not demo.graph_safe(m.config, cfg.prompt + cfg.steps)
+    assert demo.graph_safe(m.config, demo.sliding_window(cfg))
+    llama = demo.make_model(model_cases.small("llama", 2, steps=4))
+    assert demo.graph_safe(llama.config, 10 ** 6)

@@ -14,11 +14,13 @@ again: prefill of the prompt and ``steps`` decode steps with the KV cache (``mod
   bf16's rounding of the hidden state moves them; it is reported, not failed, once the tokens agree on
   every rank).
 
-Prints a table; exit 1 on a mismatch. CPU ranks run the kernels under Triton's interpreter; GPUs run
-eagerly (CUDA graphs of this loop are not captured here). On a machine with one GPU the ranks are
-loopback ranks (:mod:`tpcomm.loopback`, :func:`run_loopback`): one thread issues each step for every
-rank in turn, with a loop of the model's forward that reads nothing back to the host (``generate``
-does, each step, which would hold the peers' launches back while a rank's kernel waits for them).
+Prints a table; exit 1 on a mismatch. CPU ranks run the kernels under Triton's interpreter
+(``generate``). GPUs decode with a static KV cache, the steps after the first replayed from one CUDA
+graph (:func:`static_decode`; the reference the same loop, eagerly). On a machine with one GPU the ranks
+are loopback ranks (:mod:`tpcomm.loopback`, :func:`run_loopback`): one thread issues each step for every
+rank in turn, and the graph holds every rank's step, with a loop of the model's forward that reads
+nothing back to the host (``generate`` does, each step, which would hold the peers' launches back while
+a rank's kernel waits for them).
 """
 
 from __future__ import annotations
@@ -63,6 +65,23 @@ def sized(cfg: ModelDemoConfig, world_size: int) -> ModelDemoConfig:
                    intermediate=-(-(11 * hidden // 4) // step) * step)
 
 
+def sliding_window(cfg: ModelDemoConfig) -> int:
+    """Gemma's sliding window: on CPU ranks half-way through the decode steps, so that the window fills
+    and slides; on GPUs the whole sequence, so that the decode steps can replay from one CUDA graph
+    (``transformers``' static sliding-window cache decides on the host whether it is full:
+    :func:`graph_safe`)."""
+    return cfg.prompt + (cfg.steps if cfg.device == "cuda" else cfg.steps // 2)
+
+
+def graph_safe(config, length: int) -> bool:
+    """Whether a decode step of a model of ``config`` to ``length`` tokens can be captured once and
+    replayed: no sliding-window layer whose window fills before ``length`` (its static cache takes
+    another branch, chosen on the host, once full)."""
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    return not (sliding and window is not None and window < length)
+
+
 def make_model(cfg: ModelDemoConfig):
     """The seeded model (the same weights on every rank)."""
     import transformers
@@ -76,7 +95,7 @@ def make_model(cfg: ModelDemoConfig):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif cfg.model == "gemma":
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-            **common, head_dim=cfg.hidden // cfg.heads, sliding_window=cfg.prompt + cfg.steps // 2))
+            **common, head_dim=cfg.hidden // cfg.heads, sliding_window=sliding_window(cfg)))
         with torch.no_grad():  # Gemma's norms start at w = 0 (a plain norm): give them weights to test
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -105,13 +124,20 @@ def run_rank(rank: int, world_size: int, cfg: ModelDemoConfig) -> dict:
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(cfg.seed + 1)
     prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=g).to(device)
+    cuda = device.type == "cuda"  # GPUs: a static cache, the decode steps in a CUDA graph (static_decode)
     t0 = time.perf_counter()
-    ref_tokens, ref_logits = greedy(model, prompt, cfg.steps)
+    if cuda:
+        [(ref_tokens, ref_logits)] = static_decode([model], prompt, cfg.steps, lambda fn: fn(0))
+    else:
+        ref_tokens, ref_logits = greedy(model, prompt, cfg.steps)
     t_ref = time.perf_counter() - t0
     with Communicator() as comm:
         tp = shard(model, comm)
         t0 = time.perf_counter()
-        tokens, logits = greedy(tp, prompt, cfg.steps)
+        if cuda:
+            [(tokens, logits)] = static_decode([tp], prompt, cfg.steps, lambda fn: fn(0), graph=True)
+        else:
+            tokens, logits = greedy(tp, prompt, cfg.steps)
         t_tp = time.perf_counter() - t0
         gathered = [torch.empty_like(tokens) for _ in range(world_size)]
         dist.all_gather(gathered, tokens.contiguous(), group=comm.group)
@@ -119,12 +145,13 @@ def run_rank(rank: int, world_size: int, cfg: ModelDemoConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     same_on_ranks = all(torch.equal(t, gathered[0]) for t in gathered)
-    return _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks, kernels, cfg.steps, t_ref, t_tp)
+    return _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks, kernels, cfg.steps, t_ref, t_tp,
+                   _decode_mode(cuda, model.config, cfg))
 
 
 def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels: bool, steps: int,
-            seconds_ref: float, seconds_tp: float) -> dict:
-    """One rank's row of the report."""
+            seconds_ref: float, seconds_tp: float, decode: str = "eager") -> dict:
+    """One rank's row of the report; ``decode``: how the decode steps ran (``eager``, ``CUDA graph``)."""
     agree = int((tokens == ref_tokens).long().cumprod(0).sum())  # steps equal before the first difference
     # logits are comparable up to and including the first step that differs (the same prefix before it)
     upto = min(agree + 1, steps)
@@ -132,60 +159,82 @@ def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels
                 steps_agree=agree, first_diff=agree,
                 logit_error=float((logits[:upto] - ref_logits[:upto]).abs().max()),
                 logit_scale=float(ref_logits.abs().max()), kernels=kernels, seconds_ref=seconds_ref,
-                seconds_tp=seconds_tp)
+                seconds_tp=seconds_tp, decode=decode)
 
 
-def _ready_cache(model, device: torch.device):
-    """A KV cache for ``model`` whose layers are initialised already: a layer's first update otherwise
-    copies a host scalar to the device (Gemma's sliding-window layers), and such a copy waits for the
-    stream, which then holds a tpcomm kernel waiting for peers whose launches this thread has not issued
-    yet."""
+def static_decode(models: list, prompt: torch.Tensor, steps: int, issue,
+                  graph: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy decoding of every model in ``models`` (one step of all of them at a time, ``issue(fn)``
+    running ``fn(i)`` for every model ``i``; no host read inside a step) with a ``transformers.StaticCache``:
+    the prefill and the first decode step eagerly, then, with ``graph`` (and :func:`graph_safe`), the
+    next decode step of every model captured once in one CUDA graph (``issue`` inside the capture: for loopback ranks
+    :func:`tpcomm.loopback.run_ranks`, which forks each rank's stream from the capturing stream and
+    joins it) and replayed for the other steps. A step's input token, its logits and the cache position
+    are static tensors the step itself advances (the argmax is written into the next step's input inside
+    the graph), so a replay reads nothing back to the host. Returns ``(tokens (steps,), logits (steps,
+    vocab) float32)`` per model. No logits processor: unlike ``generate(min_new_tokens=...)`` the
+    end-of-sequence token may win a step, in the reference and in the shards alike."""
     import transformers
 
-    cache = transformers.DynamicCache(config=model.config)
-    dtype = next(model.parameters()).dtype
-    for layer in getattr(cache, "layers", ()):
-        if hasattr(layer, "lazy_initialization") and not layer.is_initialized:
-            empty = torch.empty(0, dtype=dtype, device=device)
-            layer.lazy_initialization(empty, empty)
-    return cache
-
-
-def _lockstep(models: list, prompt: torch.Tensor, steps: int, issue) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Greedy decoding of every model in ``models`` with the KV cache, one step of all of them at a time:
-    ``issue(fn)`` runs ``fn(i)`` for every model ``i`` (:func:`tpcomm.loopback.run_ranks` for loopback
-    ranks), and a step reads nothing back to the host, so no rank's launches wait for the host while a
-    peer's kernel waits for them. Returns ``(tokens (steps,), logits (steps, vocab) float32)`` per model.
-    No logits processor: unlike ``generate(min_new_tokens=...)`` the end-of-sequence token may win a
-    step, in the reference and in the shards alike."""
-    state = [(prompt, _ready_cache(m, prompt.device)) for m in models]
+    device = prompt.device
+    n = prompt.shape[1]
+    name = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
+    caches = [transformers.StaticCache(config=m.config, max_cache_len=n + steps) for m in models]
+    vocab = models[0].config.vocab_size
+    ids = [torch.empty(1, 1, dtype=torch.long, device=device) for _ in models]
+    last = [torch.empty(1, vocab, dtype=torch.float32, device=device) for _ in models]
+    pos = torch.full((1,), n, dtype=torch.long, device=device)
     tokens: list[list] = [[] for _ in models]
     logits: list[list] = [[] for _ in models]
-    # the KV cache's argument and output: ``cache`` in recent transformers, ``past_key_values`` before
-    name = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
+
+    def prefill(i: int) -> None:
+        out = models[i](input_ids=prompt, use_cache=True, cache_position=torch.arange(n, device=device),
+                        **{name: caches[i]})
+        last[i].copy_(out.logits[:, -1])
+        ids[i].copy_(last[i].argmax(-1, keepdim=True))
 
     def step(i: int) -> None:
-        ids, cache = state[i]
-        out = models[i](input_ids=ids, use_cache=True, **{name: cache})
-        lg = out.logits[:, -1].float()
-        tok = lg.argmax(-1, keepdim=True)
-        state[i] = (tok, out[name])
-        tokens[i].append(tok)
-        logits[i].append(lg)
+        out = models[i](input_ids=ids[i], use_cache=True, cache_position=pos, **{name: caches[i]})
+        last[i].copy_(out.logits[:, -1])
+        ids[i].copy_(last[i].argmax(-1, keepdim=True))
+
+    def record() -> None:
+        for i in range(len(models)):
+            tokens[i].append(ids[i].clone())
+            logits[i].append(last[i].clone())
 
     with torch.inference_mode():
-        for _ in range(steps):
+        issue(prefill)
+        record()
+        if steps > 1:
             issue(step)
-    if prompt.is_cuda:
-        torch.cuda.synchronize(prompt.device)
+            pos.add_(1)
+            record()
+        if steps > 2 and graph and graph_safe(models[0].config, n + steps):
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(device)
+            with torch.cuda.graph(g):
+                issue(step)
+                pos.add_(1)
+            for _ in range(steps - 2):
+                g.replay()
+                record()
+        else:
+            for _ in range(steps - 2):
+                issue(step)
+                pos.add_(1)
+                record()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return [(torch.cat(t, 1)[0].cpu(), torch.cat(lg, 0).cpu()) for t, lg in zip(tokens, logits)]
 
 
-def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0) -> list[dict]:
+def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0, graph: bool = True) -> list[dict]:
     """The reference, then the tensor-parallel run on ``world_size`` loopback ranks of the current GPU
-    (:func:`tpcomm.loopback.loopback_group`): prefill and decode steps issued for every rank in turn
-    (:func:`_lockstep`, the same loop for the reference). Returns :func:`run_rank`'s rows, in rank
-    order.
+    (:func:`tpcomm.loopback.loopback_group`): prefill and decode steps issued for every rank in turn,
+    the decode steps after the first in one CUDA graph of every rank's step (:func:`static_decode`;
+    ``graph`` False: eagerly); the reference the same loop, eagerly. Returns :func:`run_rank`'s rows,
+    in rank order.
 
     Raises:
         PeerTimeoutError: a rank's kernel waited past ``timeout_s`` (a host read inside the model's
@@ -199,14 +248,15 @@ def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=g).to(device)
     t0 = time.perf_counter()
-    [(ref_tokens, ref_logits)] = _lockstep([model], prompt, cfg.steps, lambda fn: fn(0))
+    [(ref_tokens, ref_logits)] = static_decode([model], prompt, cfg.steps, lambda fn: fn(0))
     t_ref = time.perf_counter() - t0
     ranks = loopback_group(world_size, device, timeout_s=timeout_s)
     try:
         shards = [shard(model, rank) for rank in ranks]
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        outs = _lockstep(shards, prompt, cfg.steps, lambda fn: run_ranks(ranks, lambda rank: fn(rank.rank)))
+        outs = static_decode(shards, prompt, cfg.steps, lambda fn: run_ranks(ranks, lambda rank: fn(rank.rank)),
+                             graph=graph)
         t_tp = time.perf_counter() - t0
         kernels = all(rank.uses_kernels for rank in ranks)
         for rank in ranks:
@@ -215,8 +265,14 @@ def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0)
         torch.cuda.synchronize(device)
         close_group(ranks)
     same = all(torch.equal(o[0], outs[0][0]) for o in outs)
-    return [_result(tokens, logits, ref_tokens, ref_logits, same, kernels, cfg.steps, t_ref, t_tp)
+    mode = _decode_mode(graph, model.config, cfg)
+    return [_result(tokens, logits, ref_tokens, ref_logits, same, kernels, cfg.steps, t_ref, t_tp, mode)
             for tokens, logits in outs]
+
+
+def _decode_mode(graph: bool, config, cfg: ModelDemoConfig) -> str:
+    """How :func:`static_decode` with ``graph`` runs the decode steps of ``cfg``."""
+    return "CUDA graph" if graph and cfg.steps > 2 and graph_safe(config, cfg.prompt + cfg.steps) else "eager"
 
 
 def verdict(cfg: ModelDemoConfig, per_rank: list[dict]) -> tuple[bool, list[str]]:
@@ -271,9 +327,11 @@ def main(model: str = "llama", device: str | None = None, world_size: int | None
         rows.append([cfg.model, cfg.dtype, f"{r0['steps_agree']}/{cfg.steps}",
                      "yes" if all(r["same_on_ranks"] for r in per_rank) else "NO",
                      f"{r0['logit_error']:.2e} (of {r0['logit_scale']:.2g})",
-                     f"{max(r['seconds_tp'] for r in per_rank):.1f}", "ok" if ok else "FAIL: " + "; ".join(why)])
+                     f"{max(r['seconds_tp'] for r in per_rank):.1f}", r0["decode"],
+                     "ok" if ok else "FAIL: " + "; ".join(why)])
     print(tabulate(rows, headers=["model", "dtype", "steps equal to unsharded", "same tokens on all ranks",
-                                  "max logit error (up to the first difference)", "s (TP run)", "check"],
+                                  "max logit error (up to the first difference)", "s (TP run)", "decode steps",
+                                  "check"],
                    tablefmt="github"))
     for cfg, per_rank, ok, _ in results:
         r0 = per_rank[0]
