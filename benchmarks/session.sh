@@ -35,6 +35,9 @@
 #                                        # HOST=1: then the eager host path of each tree
 #                                        # (benchmarks/host_profile.py) and of every op (host_loopback.py);
 #                                        # TESTS=1: then the loopback and FP8 GPU tests
+#   bash benchmarks/session.sh forms     # ONE GPU (carry [".whl-hf"]): the quant forms bench in loopback, then
+#                                        # tpcomm demo --model llama and gemma on loopback ranks
+#   bash benchmarks/session.sh verify    # ONE GPU: every one-GPU test file at once (VERIFY_S each)
 #   bash benchmarks/session.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
 #                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
 #                                        # loopback ranks, then the loopback GPU tests
@@ -63,7 +66,8 @@ all_gpu_tests() {
 
 # The one-GPU test files (loopback ranks; the FP8 quant tests) side by side, each within $1 seconds.
 one_gpu_tests() {
-    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py; do
+    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py \
+             loopback_quant_tests:tests/test_gpu_loopback_quant.py; do
         (timeout $1 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
          echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
     done
@@ -230,6 +234,19 @@ ab)
         echo "host_loopback rc=$?" >> $W/summary.txt
     fi
     [ "${TESTS:-0}" = 1 ] && one_gpu_tests 240 ;;
+forms)
+    # The quantised fused forms beside fused bf16 and fused bf16 + the standalone op (quant_loopback.py),
+    # then the model demos on loopback ranks (carry [".whl-hf"]).
+    timeout ${QUANT_S:-240} python3 benchmarks/quant_loopback.py --out $W/quant_loopback.jsonl > $W/quant_loopback.log 2>&1
+    echo "quant_loopback rc=$?" >> $W/summary.txt
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl
+    for m in llama gemma; do
+        PYTHONPATH=.:$site timeout 150 python3 -m tpcomm demo --model $m --device cuda > $W/demo-$m.log 2>&1
+        echo "demo-$m rc=$?" >> $W/summary.txt; tail -4 $W/demo-$m.log >> $W/summary.txt
+    done ;;
+verify)
+    # Every one-GPU test file at once, each within VERIFY_S seconds.
+    one_gpu_tests ${VERIFY_S:-450} ;;
 decode6)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py \
         -k "missing_peer or late_rank or another_call or graph_replays or repeated" > $W/fault_tests.log 2>&1

@@ -180,6 +180,11 @@ def static_decode(models: list, prompt: torch.Tensor, steps: int, issue,
     n = prompt.shape[1]
     name = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
     caches = [transformers.StaticCache(config=m.config, max_cache_len=n + steps) for m in models]
+    for m, cache in zip(models, caches):  # allocated now: a lazy first update copies from the host, and
+        # such a copy waits for the stream, which may hold a tpcomm kernel waiting for peers not yet issued
+        head_dim = getattr(m.config, "head_dim", None) or m.config.hidden_size // m.config.num_attention_heads
+        heads = [layer.self_attn.k_proj.out_features // head_dim for layer in m.model.layers]
+        cache.early_initialization(1, heads, head_dim, next(m.parameters()).dtype, device)
     vocab = models[0].config.vocab_size
     ids = [torch.empty(1, 1, dtype=torch.long, device=device) for _ in models]
     last = [torch.empty(1, vocab, dtype=torch.float32, device=device) for _ in models]
