@@ -61,14 +61,11 @@ def test_the_static_cache_loop_decodes_as_generate_does(model):
     assert torch.allclose(ll, logits, rtol=0, atol=1e-5), float((ll - logits).abs().max())
 
 
-def test_graph_safe_refuses_a_sliding_window_that_fills():
-    """A CUDA graph of one decode step is replayed only where no sliding-window layer fills (its static
-    cache takes another branch, chosen on the host, once full)."""
+def test_graph_safe_refuses_sliding_window_layers():
+    """A CUDA graph of one decode step is replayed only for models without sliding-window layers (their
+    static cache keeps host-side state a graph would freeze): Gemma decodes eagerly, Llama in a graph."""
     from tpcomm.models import demo
 
-    cfg = model_cases.small("gemma", 2, steps=4)
-    m = demo.make_model(cfg)  # CPU: the window fills half-way through the decode steps
-    assert not demo.graph_safe(m.config, cfg.prompt + cfg.steps)
-    assert demo.graph_safe(m.config, demo.sliding_window(cfg))
+    gemma = demo.make_model(model_cases.small("gemma", 2, steps=4))
     llama = demo.make_model(model_cases.small("llama", 2, steps=4))
-    assert demo.graph_safe(llama.config, 10 ** 6)
+    assert not demo.graph_safe(gemma.config) and demo.graph_safe(llama.config)
