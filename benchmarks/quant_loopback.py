@@ -10,8 +10,8 @@ each rank issues ``--calls`` calls on its stream inside one graph, µs per call 
     PYTHONPATH=. python benchmarks/quant_loopback.py [--hidden 6144,7168] [--tokens 1,16,64,256,1024]
                                                      [--out F]
 
-4096 x 6144 is left out by default: the plain fused call of that size times out in loopback (its
-two-shot grid does not fit one GPU for both ranks; docs/benchmarks.md, "Decode kernels").
+4096 tokens are left out by default: the plain fused call at 4096 x 6144 times out in loopback (not
+yet explained; not on 2 GPUs: docs/benchmarks.md, "Decode kernels").
 """
 import argparse
 import json
