@@ -66,7 +66,8 @@ DIVISIBLE_16 = {"x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "q_ptr", 
 def build(fn, types, constexprs, num_warps=16, pdl=True):
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in DIVISIBLE_16}
     src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False, "launch_pdl": pdl})
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False,
+                                                    "launch_pdl": pdl})
     size = (f"{len(k.asm['cubin'])} B cubin, {num_warps} warps, {k.asm['ptx'].count('bar.sync')} barriers, "
             f"{k.asm['ttgir'].count('ttg.convert_layout')} layout conversions")
     return f"{size}, {resources(k.asm['ptx'])}" if "--regs" in sys.argv else size
@@ -75,7 +76,8 @@ def build(fn, types, constexprs, num_warps=16, pdl=True):
 def epi_types(dt):
     return {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
             "res_out_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "s_row_stride": "i32",
-            "s_group_stride": "i32", "in_scale_ptr": "*fp32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64", "state_ptr": "*i64",
+            "s_group_stride": "i32", "in_scale_ptr": "*fp32", "buf_table_ptr": "*i64", "flag_table_ptr": "*i64",
+            "state_ptr": "*i64",
             "err_ptr": "*i32", "abort_off": "i32", "n_rows": "i32", "H": "i32",
             "numel": "i32", "row_stride": "i32",
             "slot_stride": "i32", "parity_stride": "i32", "max_programs": "i32", "pad_programs": "i32", "eps": "fp32",
@@ -113,7 +115,8 @@ def main():
                                         build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter),
                                               dispatch.row_config(block, 1, two_shot=True).num_warps)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
-                        build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1, "PDL": True})))
+                        build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1,
+                                                                         "PDL": True})))
     # the forms with an input scale or FP4 bytes (4 static FP8, 5 MXFP4, 6 NVFP4; GROUP 0: swizzled
     # scales), fused with a residual, rows of one tile
     for quant, group in ((4, 1), (5, 1), (5, 0), (6, 1), (6, 0)):

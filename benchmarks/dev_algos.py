@@ -102,7 +102,8 @@ def body(rank, world, H):
     buf = symm_mem.empty(max_n, dtype=torch.bfloat16, device="cuda")
     hdl = symm_mem.rendezvous(buf, gname)
     peer = hdl.get_buffer((rank + 1) % world, (max_n,), torch.bfloat16, 0)
-    tokens = [int(t) for t in os.environ.get("DEV_TOKENS", "1,4,16,64,128,256,512,1024,2048,4096,8192,16384").split(",")]
+    tokens = [int(t) for t in os.environ.get("DEV_TOKENS",
+                                             "1,4,16,64,128,256,512,1024,2048,4096,8192,16384").split(",")]
     for T in tokens:
         n = T * H
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

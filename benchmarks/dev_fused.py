@@ -36,7 +36,10 @@ def graph_time(fn, calls=50, replays=30):
         dist.all_reduce(line_up)
         torch.cuda._sleep(200_000)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / calls)
     t = torch.tensor(times[2:], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -100,7 +103,8 @@ def body(rank, world, outdir):
                 eo, ero = add_rmsnorm_reference(s, r, w, 1e-6)
                 e1 = torch.equal(y, s)
                 e2 = torch.equal(ro, ero)
-                ulp = ((out.float() - eo.float()).abs() / (eo.float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10 if dtype == torch.float16 else 2 ** -23)).clamp_min(1e-30)).max().item()
+                eps_rel = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10 if dtype == torch.float16 else 2 ** -23
+                ulp = ((out.float() - eo.float()).abs() / (eo.float().abs() * eps_rel).clamp_min(1e-30)).max().item()
                 good = e1 and e2
                 for c in (comm_o, comm_l):
                     y2 = c.all_reduce(xs[rank])
@@ -155,7 +159,8 @@ def body(rank, world, outdir):
             r = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
             xx = x.clone()
-            log.append(f"max_programs={mp_} T={T} one_shot fused {graph_time(lambda: c2.fused_add_rmsnorm(x, r, w, 1e-6)):.1f} us"
+            fused_us = graph_time(lambda: c2.fused_add_rmsnorm(x, r, w, 1e-6))
+            log.append(f"max_programs={mp_} T={T} one_shot fused {fused_us:.1f} us"
                        f" AR {graph_time(lambda: c2.all_reduce(x, out=xx)):.1f} us")
         torch.cuda.synchronize()
         c2.close()
@@ -179,7 +184,8 @@ if __name__ == "__main__":
     keys = ["nccl", "nccl_fused", "tpcomm", "lamport", "one_shot", "tpcomm_ar", "lamport_ar", "one_shot_ar"]
     print(f"{'T':>6} " + " ".join(f"{k:>11}" for k in keys) + "  speedup")
     for row in res[0][2]:
-        print(f"{row['T']:>6} " + " ".join(f"{row[k]:11.1f}" for k in keys) + f"  {row['nccl_fused']/row['tpcomm']:6.2f}")
+        print(f"{row['T']:>6} " + " ".join(f"{row[k]:11.1f}" for k in keys) +
+              f"  {row['nccl_fused']/row['tpcomm']:6.2f}")
     json.dump(res[0][2], open(os.path.join(a.out, "dev_fused.json"), "w"), indent=1)
     print("CORRECT" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)

@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dev_fused import graph_time  # noqa: E402
+
 from tpcomm.kernels.epilogue import SUM_REDUCE  # noqa: E402
 from tpcomm.kernels.quant import fp8_encode, row_amax  # noqa: E402
 

@@ -7,7 +7,6 @@ import dataclasses
 import os
 
 import torch
-
 from dev_fused import graph_time
 
 

@@ -6,12 +6,14 @@ Method: for each op, rank 0 issues ``--calls`` calls inside its stream context, 
 time of each rank's batch, divided by the calls, is the per-call host time (``run_ranks``' stream
 switches are outside the timed loops), reported per rank and as the median of the ranks; run it with
 two ``--calls`` (e.g. 25 and 200) to see whether a batch waits for a full launch queue. Every op runs
-``--rounds`` times, interleaved with the others and with ``add_``; each number is the median of its rounds. Each op is timed with new outputs and
+``--rounds`` times, interleaved with the others and with ``add_``; each number is the median of its rounds. Each op is
+timed with new outputs and
 with outputs passed (``out=`` etc.), the FP8 forms per token and per group, at 1 and 64 tokens; then
 once more with ``TPCOMM_DIRECT_LAUNCH=0`` semantics (replays through ``kernel[grid]``), and in graph
 mode (median of 20 replays of 50 calls) for the graph-timing check. Where FlashInfer is installed, its
 TRT-LLM one-shot calls (all-reduce, fused, fused FP8 per token, outputs passed) are timed the same way
-in the same rounds. Every result is checked against ``tpcomm.reference`` first. Prints a table and writes JSON to ``--out``.
+in the same rounds. Every result is checked against ``tpcomm.reference`` first. Prints a table and writes JSON to
+``--out``.
 
     PYTHONPATH=. python benchmarks/host_loopback.py [--calls 200] [--rounds 9] [--hidden 6144] [--out F]
 """
@@ -46,8 +48,10 @@ def _ops(T, H, ranks, xs, res, w):
     return {
         "all_reduce": (lambda rk: rk.all_reduce(x(rk)), lambda got, r: _same(got, s)),
         "all_reduce out=": (lambda rk: rk.all_reduce(x(rk), out=outs[rk.rank]), lambda got, r: _same(got, s)),
-        "fused": (lambda rk: rk.fused_add_rmsnorm(x(rk), res, w), lambda got, r: _same(got[0], o) and _same(got[1], ro)),
-        "fused out=": (lambda rk: rk.fused_add_rmsnorm(x(rk), res, w, out=outs[rk.rank], residual_out=res_outs[rk.rank]),
+        "fused": (lambda rk: rk.fused_add_rmsnorm(x(rk), res, w), lambda got, r: _same(got[0], o) and _same(got[1],
+                                                                                                            ro)),
+        "fused out=": (lambda rk: rk.fused_add_rmsnorm(x(rk), res, w, out=outs[rk.rank],
+                                                       residual_out=res_outs[rk.rank]),
                        lambda got, r: _same(got[0], o) and _same(got[1], ro)),
         "fp8/token": (lambda rk: rk.fused_add_rmsnorm(x(rk), res, w, quant="fp8_per_token"),
                       lambda got, r: _same(got[0], q1) and _same(got[1], s1)),
@@ -79,7 +83,8 @@ def _trtllm_ops(T, H, ranks, xs, res, w):
              torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
              torch.empty(T, H, device="cuda", dtype=torch.float8_e4m3fn),
              torch.empty(T, 1, device="cuda", dtype=torch.float32)) for _ in ranks]
-    given = {"all_reduce": lambda o: (o[0],), "fused": lambda o: (o[0], o[1]), "fused_fp8": lambda o: (o[2], o[3], o[1])}
+    given = {"all_reduce": lambda o: (o[0],), "fused": lambda o: (o[0], o[1]), "fused_fp8": lambda o: (o[2], o[3],
+                                                                                                       o[1])}
     ops = {}
     for op, name in (("all_reduce", "trtllm all_reduce out="), ("fused", "trtllm fused out="),
                      ("fused_fp8", "trtllm fp8/token out=")):

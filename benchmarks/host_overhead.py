@@ -1,7 +1,8 @@
 """Host time of one call (the key, the cached launches, the outputs' allocation; on a first call the
 checks and the plan), with every Triton launch replaced by a no-op: what an eager call costs before
 Triton's own launcher and the GPU. Two CPU ranks; torch's ``y.add_(1)`` on the CPU beside them. Each
-number is the mean of the fastest of ``ROUNDS`` rounds, interleaved over the ops (µs per call, rank 0 / rank 1; the ranks take turns, so
+number is the mean of the fastest of ``ROUNDS`` rounds, interleaved over the ops (µs per call, rank 0 / rank 1; the
+ranks take turns, so
 they do not share the cores); two columns: cached launches
 through ``kernel[grid]`` (the interpreter's path) and through the compiled kernel's launcher (the path
 of CUDA, the launcher itself a no-op here).
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from tpcomm.launch import launch
-
 
 #: Rounds; each op runs ``calls / ROUNDS`` calls in every round, and its time is its fastest round's mean.
 ROUNDS = 40
@@ -45,8 +45,9 @@ def _replay_as_on_cuda(comm) -> None:
 
 
 def body(rank, world, calls):
-    import tpcomm
     from triton.runtime.interpreter import InterpretedFunction
+
+    import tpcomm
 
     comm = tpcomm.Communicator()
     x = torch.randn(1, 6144).to(torch.bfloat16)

@@ -99,8 +99,9 @@ def main():
             parts[f"{name}: launcher alone ({len(rps[0]._params)} params, {tensors} tensors)"] = launch
         streams = {}
         try:
-            from tpcomm.bench.loopback import TrtllmLoopback
             import warnings
+
+            from tpcomm.bench.loopback import TrtllmLoopback
 
             warnings.simplefilter("ignore")
             lb = TrtllmLoopback(len(ranks), T, H)
@@ -109,7 +110,8 @@ def main():
             for op in ("all_reduce", "fused", "fused_fp8"):
                 o = {"all_reduce": lambda r: (outs[r],), "fused": lambda r: (outs[r], res_outs[r]),
                      "fused_fp8": lambda r: (q2[r], sc[r], res_outs[r])}[op]
-                parts[f"trtllm {op} (outputs given)"] = (lambda r, op=op, o=o: lb.call(r, op, xs[r], res, w, 1e-6, o(r)))
+                parts[f"trtllm {op} (outputs given)"] = (lambda r, op=op, o=o: lb.call(r, op, xs[r], res, w, 1e-6,
+                                                                                       o(r)))
                 streams[f"trtllm {op} (outputs given)"] = trt_streams
         except ImportError as e:
             print("no FlashInfer:", e)

@@ -5,7 +5,8 @@ same form (``tpcomm.quant``), all in the same run.
 Each form is checked first: its bytes and scales equal the standalone op applied to the plain fused
 call's ``out`` on every rank. Timing as ``tpcomm bench --loopback`` (``tpcomm.bench.loopback.graph_us``:
 each rank issues ``--calls`` calls on its stream inside one graph, µs per call is the median over
-``--replays`` replays; the composite: :func:`composite_us`). Rows are printed, and appended to ``--out`` as JSON lines, as they are measured.
+``--replays`` replays; the composite: :func:`composite_us`). Rows are printed, and appended to ``--out`` as JSON
+lines, as they are measured.
 
     PYTHONPATH=. python benchmarks/quant_loopback.py [--hidden 6144,7168] [--tokens 1,16,64,256,1024]
                                                      [--out F]
@@ -79,7 +80,8 @@ def main():
     ranks = loopback_group(2, timeout_s=20.0)
     scales = {"static": torch.tensor([0.02], device="cuda"), "global": torch.tensor([500.0], device="cuda")}
     streams = [rk.stream for rk in ranks]
-    print(f"{'H':>5} {'T':>5} {'form':20s} {'form us':>8} {'bf16 us':>8} {'bf16+op us':>10} {'/bf16':>6} {'/(bf16+op)':>10}")
+    print(f"{'H':>5} {'T':>5} {'form':20s} {'form us':>8} {'bf16 us':>8} {'bf16+op us':>10} {'/bf16':>6} "
+          f"{'/(bf16+op)':>10}")
     try:
         for H in (int(h) for h in a.hidden.split(",")):
             for T in (int(t) for t in a.tokens.split(",")):
@@ -103,7 +105,8 @@ def main():
                     torch.cuda.synchronize()
                     for r in range(len(ranks)):
                         sq, ss = standalone(want[r][0], s)
-                        assert torch.equal(_bytes(got[r][0]), _bytes(sq)) and torch.equal(_bytes(got[r][1]), _bytes(ss)), \
+                        assert torch.equal(_bytes(got[r][0]), _bytes(sq)) and torch.equal(_bytes(got[r][1]),
+                                                                                          _bytes(ss)), \
                             f"{form} {T}x{H}, rank {r}: differs from the standalone op on out"
                     us = graph_us(fused, streams, a.calls, a.replays)
                     composite = composite_us(ranks, plain, standalone, s, a.calls, a.replays)

@@ -306,7 +306,8 @@ def check(cfg: Config, results: list[dict]) -> tuple[list[list], bool]:
         rows.append([mode, f"{err:.2e}", f"{tol:.1e}", "yes" if same else "NO", "ok" if ok else "FAIL"])
     if cfg.graph:
         matches = [all(res["graph_matches"]) and len(res["graph_matches"]) == cfg.replays for res in results]
-        rows.append(["graph replay == the model outside the graph (bits)", "", "", "", "ok" if all(matches) else "FAIL"])
+        rows.append(["graph replay == the model outside the graph (bits)", "", "", "",
+                     "ok" if all(matches) else "FAIL"])
         all_ok &= all(matches)
     return rows, all_ok
 
@@ -344,7 +345,8 @@ def main(argv=None) -> int:
         cfg.validate()
     except ValueError as e:
         ap.error(str(e))
-    print(f"tp_decoder: {world} {device} rank{'s' if world > 1 else ''}, {cfg.layers} layers, T={cfg.tokens}, H={cfg.hidden}, "
+    print(f"tp_decoder: {world} {device} rank{'s' if world > 1 else ''}, {cfg.layers} layers, T={cfg.tokens}, "
+          f"H={cfg.hidden}, "
           f"heads={cfg.heads}, I={cfg.intermediate}, {cfg.dtype}, compile={cfg.compile} ({cfg.backend}), "
           f"graph={cfg.graph}")
     results = launch(run_rank, world, device, args=(dataclasses.asdict(cfg),), timeout_s=900)

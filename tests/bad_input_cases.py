@@ -26,10 +26,17 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from numerics import (
+    assert_same_values,
+    assert_within_ulp,
+    bits,
+    out_ulp_tolerance,
+    rank_input,
+    residual_input,
+    weight_input,
+)
 
 import tpcomm
-from numerics import (assert_same_values, assert_within_ulp, bits, out_ulp_tolerance, rank_input,
-                      residual_input, weight_input)
 
 #: A value no result of a case can hold (inputs and sums are within +-4 * SMALL_INT): marks guard regions.
 GUARD_VALUE = -77.0

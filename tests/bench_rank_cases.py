@@ -1,7 +1,6 @@
 """Rank functions of tests/test_bench_cpu_ranks.py (run by the CPU rank pool, tests/harness.py)."""
 
-from tpcomm.bench import contenders as contenders_mod
-from tpcomm.bench import rank as bench_rank
+from tpcomm.bench import contenders as contenders_mod, rank as bench_rank
 from tpcomm.bench.contenders.base import Bound, Contender
 
 

@@ -7,11 +7,11 @@ outputs the caller passes. Run by the CPU rank pool as ``fn(ctx, *args)``; each 
 from __future__ import annotations
 
 import torch
+from numerics import all_inputs, raised, residual_input, weight_input
+from ops_cases import _same
 
 import tpcomm
 import tpcomm.ops as tops
-from numerics import all_inputs, raised, residual_input, weight_input
-from ops_cases import _same
 from tpcomm import call_cache, reference
 from tpcomm.kernels import launch as klaunch
 
@@ -142,7 +142,8 @@ def changed_key_case(ctx, seed):
     base = lambda: comm.fused_add_rmsnorm(x, res, w)  # noqa: E731
     xs16 = [t.to(torch.float16) for t in xs]
     xs_wide = all_inputs(seed + 1, ctx.world_size, (T, 2 * H), torch.bfloat16)
-    res_wide, w_wide = residual_input(seed + 1, (T, 2 * H), torch.bfloat16), weight_input(seed + 1, 2 * H, torch.bfloat16)
+    res_wide, w_wide = residual_input(seed + 1, (T, 2 * H), torch.bfloat16), weight_input(seed + 1, 2 * H,
+                                                                                          torch.bfloat16)
     # the same values in a transposed layout: another stride, copied by the full path
     x_t = x.t().contiguous().t()
     changed = {
@@ -198,7 +199,8 @@ def changed_key_case(ctx, seed):
             kernels[algo] = full
             checks.append((f"algorithm {algo}: planned afresh, then replayed",
                            bool(full) and not replayed and not full2 and replayed2 == full))
-            checks.append((f"algorithm {algo}: right result", fused_ok(got, xs, res, w) and fused_ok(again, xs, res, w)))
+            checks.append((f"algorithm {algo}: right result", fused_ok(got, xs, res, w) and fused_ok(again, xs, res,
+                                                                                                     w)))
         checks.append((f"each algorithm its own kernel {kernels}", len({tuple(k) for k in kernels.values()}) == 3))
     return checks
 

@@ -13,10 +13,10 @@ import time
 
 import torch
 import torch.distributed as dist
-
-import tpcomm
 from harness import new_communicator
 from numerics import bits, out_ulp_tolerance, ulp_distance, weight_input
+
+import tpcomm
 
 
 # -- inputs ---------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ for _p in (_ROOT, _HERE):  # tpcomm from this checkout; harness/rank_cases by na
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import tpcomm  # noqa: E402,F401  (first: on CPU it turns the interpreter on before any test imports Triton)
 import harness  # noqa: E402
+
+import tpcomm  # noqa: E402,F401  (first: on CPU it turns the interpreter on before any test imports Triton)
 
 #: World sizes of the CPU suite: 2 (the common TP pair) and 3 (odd: no power-of-two shortcuts).
 WORLD_SIZES = (2, 3)

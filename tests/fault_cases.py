@@ -14,11 +14,11 @@ import time
 
 import torch
 import torch.distributed as dist
-
-import tpcomm
 from bad_input_cases import _catch, check_all_reduce, check_fused
 from harness import new_communicator
 from numerics import all_inputs, assert_same_bits, residual_input, weight_input
+
+import tpcomm
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -73,7 +73,8 @@ FAULTS.update(FP8_FAULTS)
 #: the grace after it (on CPU ranks the timeout again), with room for a slow machine.
 LATE_S = 2.5
 #: Faults of timing and of the algorithm, for every world size of ``ORDER_FAULTS``' lists (one list of
-#: calls per rank; ``("sleep", seconds, None)`` is a pause before the rank's calls, not a call; ``op@algo`` forces the algorithm
+#: calls per rank; ``("sleep", seconds, None)`` is a pause before the rank's calls, not a call; ``op@algo`` forces the
+#: algorithm
 #: of that call): the last rank is late (it arrives after its peers gave up), is late after skipping a
 #: call, or runs another algorithm. Expected errors: ``EXPECTED``.
 ORDER_FAULTS = {

@@ -14,13 +14,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numerics import all_inputs, raised, residual_input, weight_input
 
 import tpcomm
-from numerics import all_inputs, raised, residual_input, weight_input
 from tpcomm.quant import mxfp4_quant, nvfp4_quant, per_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
-from tpcomm.reference import (mxfp4_quant_reference, nvfp4_quant_reference, per_group_quant_reference,
-                              per_group_ue8m0_quant_reference, per_token_quant_reference, static_fp8_quant_reference,
-                              swizzle_128x4)
+from tpcomm.reference import (
+    mxfp4_quant_reference,
+    nvfp4_quant_reference,
+    per_group_quant_reference,
+    per_group_ue8m0_quant_reference,
+    per_token_quant_reference,
+    static_fp8_quant_reference,
+    swizzle_128x4,
+)
 
 #: Per FP8 format: the byte of every NaN, the magnitude bits of +-MAX, the smallest normal (2^-6 e4m3fn,
 #: 2^-7 e4m3fnuz: below it the FP8 step is that of the subnormals).
@@ -395,7 +401,8 @@ def fp4_case(ctx, case: Fp4Case) -> dict:
     s_ref = tpcomm.reduce_in_rank_order(xs)
     _, ro_ref = tpcomm.add_rmsnorm_reference(s_ref, res, w, case.eps, case.gemma)
     y32 = norm_f32(ro_ref if res is not None else s_ref, w, case.eps, case.gemma)
-    result = {"q": q, "scales": scales.view(torch.uint8), "scales_dtype": scales.dtype, "scales_stride": scales.stride(),
+    result = {"q": q, "scales": scales.view(torch.uint8), "scales_dtype": scales.dtype,
+              "scales_stride": scales.stride(),
               "ro": ro, "out": out, "plain_out": plain_out, "plain_ro": plain_ro, "std_q": std_q, "std_s": std_s,
               "ref_q": ref_q, "ref_s": ref_s, "ref_linear": ref_linear, "ro_ref": ro_ref, "y32": y32, "plan": plan,
               "launches": launches,

@@ -13,11 +13,10 @@ import hashlib
 import traceback
 
 import torch
-
-import tpcomm
 from numerics import bits, out_ulp_tolerance, ulp_distance
 from rank_cases import layout_of
 
+import tpcomm
 
 #: A number per dtype for the case seeds (Python's str hash differs between processes).
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}

@@ -17,10 +17,10 @@ import time
 import traceback
 
 import torch
+from gpu_cases import _max_ulp, _mismatch
+from numerics import bits, out_ulp_tolerance
 
 import tpcomm
-from numerics import bits, out_ulp_tolerance
-from gpu_cases import _max_ulp, _mismatch
 
 #: Exponent range (of the 2**k scale) of the wide-range inputs per dtype: float32 squares stay finite;
 #: fp16 reaches into its subnormals; float32 into its subnormals.
@@ -156,7 +156,8 @@ def _algorithms_case(comm, rank, world_size, device, seed, dtype, H, T, which, p
                 if base is not None:
                     if algo != "fallback" or name in EXACT_OUTPUTS:
                         if _mismatch(t, base[name]):
-                            failures.append(f"{algo} {name}: {_mismatch(t, base[name])} elements differ from one_shot's")
+                            failures.append(f"{algo} {name}: {_mismatch(t, base[name])} elements differ from "
+                                            "one_shot's")
                     elif _max_ulp(t, base[name]) > tol:
                         failures.append(f"{algo} {name}: {_max_ulp(t, base[name])} ulp from one_shot's (tol {tol})")
                 hashes[f"{algo} {name}"] = bits_hash(t)

@@ -15,12 +15,12 @@ import hashlib
 import time
 import traceback
 
-import torch
-
 import fused_fp8_cases as fc
-import tpcomm
+import torch
 from gpu_cases import _digest, _max_ulp, _mismatch, gpu_inputs
 from numerics import bits, out_ulp_tolerance
+
+import tpcomm
 
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 

@@ -17,14 +17,14 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from gpu_cases import _digest, _max_ulp, _mismatch, gpu_inputs
+from gpu_world import GPU_WORLD
+from numerics import out_ulp_tolerance
 
 import tpcomm
 import tpcomm.graphs as tgraphs
 import tpcomm.ops as tops
 from tpcomm.dispatch import DEFAULT_TABLE
-from gpu_cases import _digest, _max_ulp, _mismatch, gpu_inputs
-from gpu_world import GPU_WORLD
-from numerics import out_ulp_tolerance
 
 #: Failure messages kept per case (the count is always exact).
 MAX_MESSAGES = 20
@@ -337,10 +337,9 @@ def compile_gpu(rank, world_size, hidden, tokens, graph_replays, seed):
     a CUDA graph (``capture_guard``) and replayed with new inputs: bit-identical to the compiled layer
     outside the graph. (3) ``mode="reduce-overhead"`` (Inductor's own CUDA graphs) of all_reduce + fused:
     each call equals eager; Inductor's count of skipped CUDA graphs. Returns a summary."""
+    from numerics import all_inputs, residual_input
     from ops_cases import _Layer, _same
     from torch._dynamo.testing import CompileCounterWithBackend
-
-    from numerics import all_inputs, residual_input
 
     device = torch.device("cuda", torch.cuda.current_device())
     comm = tpcomm.Communicator()
@@ -403,7 +402,8 @@ def compile_gpu(rank, world_size, hidden, tokens, graph_replays, seed):
             torch.cuda.synchronize()
             if not all(_same(a, b) for a, b in zip(got, want)):
                 fail.add(f"reduce-overhead call {k}: differs from eager")
-        skips = sum(counters["inductor"].get(k, 0) for k in counters["inductor"] if "cudagraph_skips" in k) - skips_before
+        skips = sum(counters["inductor"].get(k,
+                                             0) for k in counters["inductor"] if "cudagraph_skips" in k) - skips_before
     comm.check()
     comm.close()
     return {"failures": fail.count, "messages": fail.messages, "frames": counter.frame_count,

@@ -47,8 +47,9 @@ def prefill_logits_case(ctx, model: str) -> dict:
 
 def refused_case(ctx, what: str):
     """``shard`` of a model that cannot be split over this many ranks: ``(type, message)`` raised."""
-    import tpcomm
     from numerics import raised
+
+    import tpcomm
     from tpcomm.models import shard
 
     cfg = small("llama", ctx.world_size)

@@ -8,7 +8,6 @@ exactly what the numerics contract pins down.
 
 from __future__ import annotations
 
-
 import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -11,11 +11,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from numerics import all_inputs, bits, out_ulp_tolerance, raised, residual_input, ulp_distance, weight_input
 
 import tpcomm
 import tpcomm.graphs as tgraphs
 import tpcomm.ops as tops
-from numerics import all_inputs, bits, out_ulp_tolerance, raised, residual_input, ulp_distance, weight_input
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,11 +18,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from harness import new_communicator
+from numerics import all_inputs, bits, raised, residual_input, weight_input
 
 import tpcomm
 from tpcomm import dispatch
-from harness import new_communicator
-from numerics import all_inputs, bits, raised, residual_input, weight_input
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -167,7 +167,8 @@ def chunked_vs_whole(ctx, seed, shape, dtype, small_max_bytes, op, algo=None):
         nbytes, hidden = x.numel() * x.element_size(), H
     else:
         call = lambda c: (c.all_reduce(x), None)  # noqa: E731
-        nbytes, hidden = x.numel() * x.element_size(), dispatch.all_reduce_width(x.numel(), x.element_size(), small.workspace)
+        nbytes, hidden = x.numel() * x.element_size(), dispatch.all_reduce_width(x.numel(), x.element_size(),
+                                                                                 small.workspace)
     before = small.workspace.epoch()
     chunked = call(small)
     launches = small.workspace.epoch() - before
@@ -594,7 +595,8 @@ def launch_identity(rank, world_size, tag):
         y = comm.all_reduce(torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16))
         uses_kernels = comm.uses_kernels
     # plain values: tensors in a launch result are the subject of test_launch_returns_tensors
-    return {"y": y.float().tolist(), "y_dtype": str(y.dtype), "uses_kernels": uses_kernels,"rank": rank, "world_size": world_size, "dist_rank": dist.get_rank(),
+    return {"y": y.float().tolist(), "y_dtype": str(y.dtype), "uses_kernels": uses_kernels,"rank": rank,
+            "world_size": world_size, "dist_rank": dist.get_rank(),
             "dist_world": dist.get_world_size(), "backend": str(dist.get_backend()),
             "interpret": os.environ.get("TRITON_INTERPRET"), "omp": os.environ.get("OMP_NUM_THREADS"),
             "threads": torch.get_num_threads(), "tag": tag, "pid": os.getpid()}

@@ -97,6 +97,7 @@ def test_a_cpu_workspace_never_launches_with_pdl():
     """Asked for PDL, a CPU (interpreter) workspace still launches without it: the interpreter has no
     ``griddepcontrol``."""
     import torch
+
     from tpcomm.workspace import Workspace, pdl_supported
     assert not pdl_supported(torch.device("cpu"))
     assert not pdl_supported(torch.device("cuda", 0))  # the interpreter is on: decided before any CUDA query
@@ -110,6 +111,7 @@ def test_a_sub_nanosecond_timeout_still_waits(timeout_s):
     """A timeout below 1 ns is 1 ns in the kernels, never 0 (which the kernels read as "an earlier wait
     failed", and which would skip every wait without recording an error)."""
     import torch
+
     from tpcomm.workspace import Workspace
     ws = Workspace.__new__(Workspace)
     ws._lay_out(0, 2, torch.device("cpu"), 1 << 16, 4, timeout_s, 0, pdl=False)

@@ -1,4 +1,4 @@
-"""The bad-input matrix on 2 CPU ranks (issue 6): every unusual or wrong input gives the right result
+"""The bad-input matrix on 2 CPU ranks: every unusual or wrong input gives the right result
 (through a kernel or the fallback) or an exception that names the argument — never a wrong value and
 never a write outside the output (guard regions around every view). The cases are in
 ``tests/bad_input_cases.py``, their expected outcomes in ``bad_input_cases.EXPECTED``, and each one is a
@@ -11,9 +11,8 @@ cases themselves.
 import os
 import re
 
-import pytest
-
 import bad_input_cases
+import pytest
 from numerics import Checks
 
 NAMES = list(bad_input_cases.CASES)

@@ -39,7 +39,7 @@ def test_a_wrong_contender_is_reported_and_not_timed(pool2):
 
 
 def test_fused_fp8_against_the_unfused_tpcomm(pool2):
-    """Issue 4's baseline row: tpcomm's bf16 fused call + the standalone quant kernel, checked bit for
+    """The fused FP8 output's baseline row: tpcomm's bf16 fused call + the standalone quant kernel, checked bit for
     bit like tpcomm's fused FP8 call and timed beside it."""
     cfg = BenchConfig(ops=("fused_fp8",), **{**CFG, "contenders": ("tpcomm_unfused",)})
     doc = summarize(pool2.run(cases.sweep, cfg, timeout_s=240), cfg)

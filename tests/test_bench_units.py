@@ -8,10 +8,17 @@ import torch
 
 from tpcomm.bench import metrics
 from tpcomm.bench.args import add_bench_arguments, choice_list, int_list
-from tpcomm.bench.checks import Case, REL_TOL, compare
-from tpcomm.bench.config import (FULL_HIDDENS, FULL_TOKENS, BenchConfig, calls_per_replay, message_bytes,
-                                 replay_count, runs_shape, set_capacity)
-
+from tpcomm.bench.checks import REL_TOL, Case, compare
+from tpcomm.bench.config import (
+    FULL_HIDDENS,
+    FULL_TOKENS,
+    BenchConfig,
+    calls_per_replay,
+    message_bytes,
+    replay_count,
+    runs_shape,
+    set_capacity,
+)
 
 # -- metrics ------------------------------------------------------------------------------------------
 

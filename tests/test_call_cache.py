@@ -4,13 +4,13 @@ errors raise on every call; outputs the caller passes; the cache's bound. CPU ra
 launch-level tests in this process under the interpreter.
 """
 
+import call_cache_cases as cases
 import pytest
 import torch
 import triton
 import triton.language as tl
-
-import call_cache_cases as cases
 from numerics import Checks
+
 from tpcomm.kernels.launch import KernelCall, Replay, direct_launch_supported
 
 
@@ -71,7 +71,8 @@ def test_bad_given_outputs_raise_naming_the_argument(pool2):
     for r, found in enumerate(pool2.run(cases.bad_outputs_case)):
         for name, first, second in found:
             check.that(first is not None and first[0] == "ValueError"
-                       and first[1].startswith(f"fused_add_rmsnorm: {names[name]} "), f"rank {r}: {name}: raised {first}")
+                       and first[1].startswith(f"fused_add_rmsnorm: {names[name]} "),
+                       f"rank {r}: {name}: raised {first}")
             check.that(first == second, f"rank {r}: {name}: second call raised {second}")
     check.done()
 

@@ -1,4 +1,4 @@
-"""Issue 3 on CPU ranks: every algorithm gives the same bits (item 6), ``all_gather`` and
+"""The collectives on CPU ranks: every algorithm gives the same bits (item 6), ``all_gather`` and
 ``reduce_scatter`` (item 4), interleaved calls of every op, size and algorithm on one communicator,
 calls that do not match a peer's, and the crossover table (item 5). Rank bodies:
 ``tests/collective_cases.py``.
@@ -10,11 +10,11 @@ rows, reduce_scatter against all_gather; 2 ranks) are not repeated here.
 
 import json
 
+import collective_cases as cc
 import pytest
 import torch
-
-import collective_cases as cc
 from numerics import Checks, assert_same_bits, assert_within_ulp, dtype_name, out_ulp_tolerance
+
 from tpcomm import dispatch
 from tpcomm.dispatch import Crossover, CrossoverTable
 from tpcomm.reference import share_bounds
@@ -40,7 +40,7 @@ def _assert_ranks_same_raw(per_rank, what):
     assert not differ, f"{what}: ranks {differ} differ from rank 0"
 
 
-# -- 1. every algorithm, the same bits (issue item 6) ------------------------------------------------------
+# -- 1. every algorithm, the same bits (docs/numerics.md) ------------------------------------------------------
 #: (id, world size, dtype, (T, H), exponent range of the inputs' 2**k scale, prefixes of rows, FP8 too).
 #: "wide": normal values from 2**-60 to 2**40 in one row (squares stay finite in float32). "subnormal":
 #: bf16 inputs and sums below 2**-126 mixed with small normals (the interpreter's bf16 widening mangles

@@ -5,11 +5,18 @@ invariance, fallback, repeated calls and skew, life cycle, peer timeouts. CPU ra
 import re
 
 import pytest
-import torch
-
 import rank_cases
-from numerics import (Checks, algo_dtype_pairs, assert_ranks_identical, assert_same_bits,
-                      assert_within_ulp, bits, dtype_name, out_ulp_tolerance)
+import torch
+from numerics import (
+    Checks,
+    algo_dtype_pairs,
+    assert_ranks_identical,
+    assert_same_bits,
+    assert_within_ulp,
+    bits,
+    dtype_name,
+    out_ulp_tolerance,
+)
 
 ALGO_DTYPES = [pytest.param(a, d, id=f"{a}-{dtype_name(d)}") for a, d in algo_dtype_pairs()]
 ALGOS = sorted({a for a, _ in algo_dtype_pairs()})

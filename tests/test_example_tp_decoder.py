@@ -7,10 +7,9 @@ import dataclasses
 import os
 import sys
 
+import ops_cases
 import pytest
 import torch
-
-import ops_cases
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import tp_decoder  # noqa: E402

@@ -1,4 +1,4 @@
-"""Fault injection on 2 CPU ranks (issue 6, "no silent hang"): a peer that skips a call, calls another
+"""Fault injection on 2 CPU ranks ("no silent hang"): a peer that skips a call, calls another
 op, or calls with another size (fewer rows, more rows, more rows on the same grid), dtype or FP8 format
 or group size. Every rank
 that makes a call its peer does not match must raise :class:`tpcomm.PeerTimeoutError` (or its subclass
@@ -9,10 +9,10 @@ communicator keeps raising (it is unusable: docs/reliability.md) and a new one w
 The rank bodies are in ``tests/fault_cases.py``; all runs go through one pool call (module fixture).
 """
 
-import pytest
-
 import fault_cases
+import pytest
 from numerics import Checks
+
 from tpcomm import dispatch
 
 #: Kernel timeout of the faulty calls: short, so that the whole file takes seconds. The faults of

@@ -1,4 +1,4 @@
-"""Fused FP8 output of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (issue 4; docs/numerics.md numerics
+"""Fused FP8 output of ``Communicator.fused_add_rmsnorm(..., quant=...)`` (docs/numerics.md numerics
 contract item 4, and "Quantised output forms" for ``fp8_per_group_ue8m0`` and ``fp8_static``) on CPU ranks
 (world sizes 2 and 3, Triton's interpreter).
 
@@ -18,10 +18,9 @@ GPUs: ``tests/test_gpu_fused_fp8.py``.
 
 import re
 
+import fused_fp8_cases as fc
 import pytest
 import torch
-
-import fused_fp8_cases as fc
 from fused_fp8_cases import Fp8Case
 from numerics import Checks, assert_same_bits, assert_same_values, dtype_name
 

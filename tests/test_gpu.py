@@ -7,11 +7,11 @@ every case inside the ranks (``tests/gpu_cases.py``); each parametrized test the
 summary from every rank.
 """
 
-import pytest
-
 import gpu_cases
+import pytest
 from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks, algo_dtype_pairs, dtype_name
+
 from tpcomm.launch import launch
 
 pytestmark = [pytest.mark.gpu, NEEDS_GPUS]
@@ -129,7 +129,8 @@ def test_cuda_graph_replay():
     results = launch(gpu_cases.graph_replays, GPU_WORLD, "cuda", args=(GRAPH_REPLAYS, 4242), timeout_s=600)
     check = Checks()
     for r, res in enumerate(results):
-        check.that(not res["failures"], f"rank {r}: {len(res['failures'])} failures:\n" + "\n".join(res["failures"][:20]))
+        check.that(not res["failures"], f"rank {r}: {len(res['failures'])} failures:\n" +
+                   "\n".join(res["failures"][:20]))
         check.that(len(res["digests"]) == GRAPH_REPLAYS, f"rank {r}: {len(res['digests'])} replays checked")
     check.that(results[0]["digests"] == results[1]["digests"], "the GPUs' graph outputs differ")
     check.done()

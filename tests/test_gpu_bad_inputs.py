@@ -4,12 +4,12 @@ a GPU communicator (each tensor argument in turn), and sizes exactly at and one 
 and the default 32 MiB workspace. Marked ``gpu``; skipped without that many GPUs. Run on the GPU machine:
 ``python -m pytest -q -m gpu tests/test_gpu_bad_inputs.py``."""
 
-import pytest
-
 import bad_input_cases
+import pytest
 from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
 from test_bad_inputs import check_outcome
+
 from tpcomm.launch import launch
 
 pytestmark = [pytest.mark.gpu, NEEDS_GPUS]

@@ -1,4 +1,4 @@
-"""Issue 3 on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory): every algorithm gives the same bits at real
+"""The collectives on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory): every algorithm gives the same bits at real
 shapes, interleaved calls of every op, size and algorithm, and all_gather / reduce_scatter inside CUDA
 graphs replayed with new inputs. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU
 machine: ``python3 -m pytest -q -m gpu tests/test_gpu_collectives.py -p no:cacheprovider``.
@@ -8,11 +8,11 @@ reads its part's summary from both ranks: the failures each rank found (empty wh
 the output bits, which must agree between the GPUs.
 """
 
-import pytest
-
 import gpu_collective_cases as gcc
+import pytest
 from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
+
 from tpcomm import dispatch
 from tpcomm.launch import launch
 

@@ -1,4 +1,4 @@
-"""Fused FP8 output of ``fused_add_rmsnorm(..., quant=...)`` on ``GPU_WORLD`` GPUs (issue 4), at the shapes of real
+"""Fused FP8 output of ``fused_add_rmsnorm(..., quant=...)`` on ``GPU_WORLD`` GPUs, at the shapes of real
 models. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU machine:
 ``python -m pytest -q -m gpu tests/test_gpu_fused_fp8.py``.
 
@@ -17,11 +17,11 @@ algorithm takes two of the four (format, per-token / per-group) combinations, al
 fp16 and fp32, column-major scales, emit_unquantized off and no residual run on a few shapes.
 """
 
-import pytest
-
 import gpu_fused_fp8_cases
+import pytest
 from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
+
 from tpcomm.launch import launch
 
 pytestmark = [pytest.mark.gpu, NEEDS_GPUS]

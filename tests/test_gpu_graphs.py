@@ -10,11 +10,11 @@ import dataclasses
 import os
 import sys
 
-import pytest
-
 import gpu_graph_cases
+import pytest
 from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
+
 from tpcomm.launch import launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))

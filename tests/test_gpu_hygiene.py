@@ -3,11 +3,11 @@ memory allocated by torch and open file descriptors where they were. Marked ``gp
 machine: ``python -m pytest -q -m gpu tests/test_gpu_hygiene.py``. Measured on 2 H200s:
 docs/data/gpu_hygiene_2xH200.log."""
 
-import pytest
-
 import hygiene_cases
+import pytest
 from gpu_world import GPU_WORLD, NEEDS_GPUS
 from numerics import Checks
+
 from tpcomm.launch import launch
 
 pytestmark = [pytest.mark.gpu, NEEDS_GPUS]

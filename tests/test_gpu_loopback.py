@@ -12,7 +12,6 @@ with programmatic dependent launch on and off; a rank whose peer never comes rai
 
 import pytest
 import torch
-
 from numerics import bits
 
 pytestmark = [pytest.mark.gpu,

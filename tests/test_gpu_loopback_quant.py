@@ -14,7 +14,6 @@ import zlib
 
 import pytest
 import torch
-
 from fused_fp8_cases import fp4_quant, standalone_quant
 from numerics import bits
 

@@ -4,7 +4,6 @@ ranks' tracebacks and kill the pool, never hang the suite. Uses its own pools (t
 import time
 
 import pytest
-
 import rank_cases
 from harness import PoolTimeout, RankError, RankPool
 

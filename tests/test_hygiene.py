@@ -1,17 +1,17 @@
-"""Resource hygiene on CPU ranks (issue 6): create/close cycles leak no file descriptors, shared memory or
+"""Resource hygiene on CPU ranks: create/close cycles leak no file descriptors, shared memory or
 memory, and ranks killed with SIGKILL leave nothing in /dev/shm. The GPU variant is
 ``tests/test_gpu_hygiene.py``."""
 
 import glob
 import os
 
-import pytest
-
 import hygiene_cases
+import pytest
 from numerics import Checks
+
 from tpcomm.launch import RankFailure, launch
 
-#: Create/close cycles (issue 6).
+#: Create/close cycles.
 CYCLES = 50
 #: Cycles that also make calls: one in ten (a call costs 10x a set-up under the interpreter).
 CALL_EVERY = 10

@@ -1,5 +1,7 @@
 """The CPU path's interpreted launches (``tpcomm.kernels.interpreted``): device-function calls inside a
 launch patch the language once, not once per call, and the kernel's result is unchanged."""
+# tpcomm first: on CPU it turns Triton's interpreter on before triton is imported
+# isort: skip_file
 
 import pytest
 import torch

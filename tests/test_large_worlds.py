@@ -1,11 +1,10 @@
 """4 and 8 ranks on CPU (the world sizes of 4- and 8-GPU nodes, as CPU ranks): every op under every
 algorithm, bit-exact against the reference, on every rank."""
 
+import large_world_cases
 import pytest
 
 from tpcomm.launch import launch
-
-import large_world_cases
 
 
 @pytest.mark.parametrize("world_size", [4, 8])

@@ -4,9 +4,9 @@ Each launch spawns fresh processes (seconds each), so there are few of them."""
 import time
 
 import pytest
-
 import rank_cases
 from numerics import Checks
+
 from tpcomm.launch import RankFailure, launch
 
 #: Seconds a launch that must fail fast (a rank sleeping far longer) is given.

@@ -5,9 +5,8 @@ The 4-rank pool is started by this module only (a few seconds); the calls are si
 rows, so the interpreter's cost stays small.
 """
 
-import pytest
-
 import ops_cases
+import pytest
 from numerics import Checks
 
 #: Steps of interleaved calls: every op of MULTI_STEPS on each communicator (4 steps cycle through

@@ -3,9 +3,16 @@ would make every test built on it vacuous."""
 
 import pytest
 import torch
-
-from numerics import (FLOAT_DTYPES, Checks, assert_ranks_identical, assert_same_bits, assert_same_values,
-                      assert_within_ulp, dtype_name, ulp_distance)
+from numerics import (
+    FLOAT_DTYPES,
+    Checks,
+    assert_ranks_identical,
+    assert_same_bits,
+    assert_same_values,
+    assert_within_ulp,
+    dtype_name,
+    ulp_distance,
+)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_name)

@@ -8,12 +8,20 @@ Each case forces one algorithm (``TPCOMM_ALGO`` while the communicator is create
 """
 
 import pytest
-import torch
-
 import rank_cases
-from numerics import (Checks, algo_dtype_pairs, assert_ranks_identical, assert_same_bits,
-                      assert_same_values, assert_within_ulp, bits, dtype_name, out_ulp_tolerance,
-                      ulp_distance)
+import torch
+from numerics import (
+    Checks,
+    algo_dtype_pairs,
+    assert_ranks_identical,
+    assert_same_bits,
+    assert_same_values,
+    assert_within_ulp,
+    bits,
+    dtype_name,
+    out_ulp_tolerance,
+    ulp_distance,
+)
 
 ALGO_DTYPES = [pytest.param(a, d, id=f"{a}-{dtype_name(d)}") for a, d in algo_dtype_pairs()]
 #: (T, H) of the random-input cases: hidden sizes 1 (a row of one), 7 and 123 (odd, not a multiple of any
@@ -216,7 +224,8 @@ def test_negative_zero_gives_positive_zero(pool, algo, dtype):
         for name in ("s", "residual_out", "out", "out_no_residual"):
             t = res[name]
             check.that(bool((bits(t) == 0).all()), f"rank {r} {name}: {int((bits(t) != 0).sum())} of "
-                                                   f"{t.numel()} elements are not +0.0 (bits {bits(t)[0, :4].tolist()})")
+                                                   f"{t.numel()} elements are not +0.0 "
+                                                   f"(bits {bits(t)[0, :4].tolist()})")
     check.done()
 
 

@@ -4,14 +4,14 @@ Schema and fake-implementation tests run in the test process (no ranks: fake and
 reach a communicator); the rest runs on the CPU rank pools.
 """
 
+import ops_cases
 import pytest
 import torch
+from numerics import Checks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import ops_cases
 import tpcomm.graphs as tgraphs
 import tpcomm.ops as tops
-from numerics import Checks
 
 OPS = ("all_reduce", "all_reduce_out", "fused_add_rmsnorm")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -5,13 +5,15 @@ by hand (so torch's own conversion is checked too).
 CPU tests run the kernels under Triton's interpreter; the ``gpu`` tests (one CUDA GPU) also compare the
 hardware e4m3fn conversion with the integer encoder over every float32 bit pattern.
 """
+# tpcomm first: on CPU it turns Triton's interpreter on before triton is imported
+# isort: skip_file
 
 import math
 
 import pytest
 import torch
 
-import tpcomm  # sets TRITON_INTERPRET=1 without CUDA, before triton is imported below
+import tpcomm  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, before triton is imported below)
 import triton
 import triton.language as tl
 from numerics import FLOAT_DTYPES, assert_same_bits, dtype_name
@@ -157,9 +159,13 @@ def _rows_input(T: int, H: int, dtype, seed: int, special: bool = True) -> torch
     if special:
         fi = torch.finfo(dtype)
         specials = {0: torch.zeros(H), 1: torch.full((H,), -0.0)}
-        r2 = torch.randn(H, generator=g); r2[-1] = math.nan; specials[2] = r2
+        r2 = torch.randn(H, generator=g)
+        r2[-1] = math.nan
+        specials[2] = r2
         specials[3] = torch.randint(-3, 4, (H,), generator=g).float() * fi.smallest_normal / 8
-        r4 = torch.randn(H, generator=g); r4[H // 2] = -math.inf; specials[4] = r4
+        r4 = torch.randn(H, generator=g)
+        r4[H // 2] = -math.inf
+        specials[4] = r4
         specials[5] = torch.rand(H, generator=g) * fi.max * torch.sign(torch.randn(H, generator=g))
         for r, row in specials.items():
             if r < T:
@@ -346,8 +352,8 @@ def test_reference_rejects_bad_groups():
 @triton.jit
 def _division_kernel(v_ptr, n_v, amax_ptr, counts_ptr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK: tl.constexpr):
-    """One program per amax, over every ``v`` with ``|v| <= amax``: counts FP8 bytes of :func:`kq.divide`'s quotient that
-    differ from those of ``div_rn``'s, bytes of :func:`kq.quantize` (the epilogues' encoder, native
+    """One program per amax, over every ``v`` with ``|v| <= amax``: counts FP8 bytes of :func:`kq.divide`'s quotient
+    that differ from those of ``div_rn``'s, bytes of :func:`kq.quantize` (the epilogues' encoder, native
     where ``NATIVE_FP8``) that differ from them too, quotients of at least 2^-12 whose bits differ, and
     whether the scale took the fast path."""
     amax = tl.load(amax_ptr + tl.program_id(0))
@@ -450,9 +456,9 @@ def test_gpu_kernels_match_reference(T, H, dtype, fp8_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 def test_gpu_fast_division_every_pair(dtype, fp8_dtype):
-    """All (value, amax) pairs of a 16-bit dtype with ``|value| <= amax`` (about 2^30): ``kq.divide`` gives ``div_rn``'s FP8 bytes and,
-    from 2^-12 up, its quotient bits (what lets the FP8 epilogues skip the per-element correctly
-    rounded division)."""
+    """All (value, amax) pairs of a 16-bit dtype with ``|value| <= amax`` (about 2^30): ``kq.divide`` gives
+    ``div_rn``'s FP8 bytes and, from 2^-12 up, its quotient bits (what lets the FP8 epilogues skip the
+    per-element correctly rounded division)."""
     bad_bytes, bad_bits, fast = division_mismatches(dtype, fp8_dtype)
     assert (bad_bytes, bad_bits) == (0, 0), f"{bad_bytes} bytes and {bad_bits} quotients differ from div_rn's"
     assert fast > 20000, f"only {fast} scales took the fast path"  # bf16: 26,784 (amax >= 448 * 2^-90)

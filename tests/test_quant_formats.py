@@ -14,12 +14,20 @@ import sys
 
 import pytest
 import torch
-
 from numerics import dtype_name
-from tpcomm.reference import (mxfp4_dequant_reference, mxfp4_quant_reference, nvfp4_dequant_reference,
-                              nvfp4_global_scale, nvfp4_quant_reference, pack_ue8m0_scales,
-                              per_group_ue8m0_quant_reference, static_fp8_quant_reference, swizzle_128x4,
-                              unswizzle_128x4)
+
+from tpcomm.reference import (
+    mxfp4_dequant_reference,
+    mxfp4_quant_reference,
+    nvfp4_dequant_reference,
+    nvfp4_global_scale,
+    nvfp4_quant_reference,
+    pack_ue8m0_scales,
+    per_group_ue8m0_quant_reference,
+    static_fp8_quant_reference,
+    swizzle_128x4,
+    unswizzle_128x4,
+)
 
 QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)

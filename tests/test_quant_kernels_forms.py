@@ -7,12 +7,18 @@ Triton's interpreter; on a machine with a GPU the same tests run there."""
 
 import pytest
 import torch
+from numerics import assert_same_bits, dtype_name
 
 import tpcomm  # sets TRITON_INTERPRET=1 without CUDA
-from numerics import assert_same_bits, dtype_name
-from tpcomm.reference import pack_ue8m0_scales as pack_reference
-from tpcomm.reference import (mxfp4_quant_reference, nvfp4_global_scale, nvfp4_quant_reference,
-                              per_group_ue8m0_quant_reference, static_fp8_quant_reference, swizzle_128x4)
+from tpcomm.reference import (
+    mxfp4_quant_reference,
+    nvfp4_global_scale,
+    nvfp4_quant_reference,
+    pack_ue8m0_scales as pack_reference,
+    per_group_ue8m0_quant_reference,
+    static_fp8_quant_reference,
+    swizzle_128x4,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:overflow encountered:RuntimeWarning")
@@ -162,7 +168,8 @@ _AMAXES = (7.99, 8.0, 6.0, 6.01, 7.0, 6.99, 12.01, 6144.00048828125, 2.0 ** -130
 
 def _fp4_rows(T, H, dtype, block, seed):
     """Random rows over many magnitudes, then special blocks in fixed places (each ``block`` long, where
-    the shape has room): in row 0 a zero block, a block of ``dtype``'s subnormals (with -0.0 and negatives that round to -0), a
+    the shape has room): in row 0 a zero block, a block of ``dtype``'s subnormals (with -0.0 and negatives that round
+    to -0), a
     block of E2M1 ties and values past 6 times the scale (saturating); in row 1 NaN, +Inf and -Inf blocks;
     in row 2 (T >= 3) one block per amax of ``_AMAXES`` (bf16 and fp16 round or overflow some: the
     kernels and the reference see the same inputs)."""

@@ -1,5 +1,7 @@
 """The plain-torch reference (``tpcomm/reference.py``): the fallback and the tests' oracle, checked
 against the contract written out by hand and against float64."""
+# tpcomm first: on CPU it turns Triton's interpreter on before triton is imported
+# isort: skip_file
 
 import pytest
 import torch

@@ -5,8 +5,8 @@ is drawn; the command runs end to end. The 10,000-step GPU soak is run on the GP
 from collections import Counter
 
 import pytest
-
 import soak_cases
+
 from tpcomm import dispatch, soak
 from tpcomm.cli import main as cli_main
 

@@ -6,8 +6,8 @@ import json
 import random
 
 import pytest
-
 import tune_cases
+
 from tpcomm import dispatch
 from tpcomm.cli import main as cli_main
 from tpcomm.tune import command, config

@@ -5,11 +5,11 @@ import glob
 import os
 
 import pytest
-import torch
-
 import rank_cases
+import torch
 from harness import shm_files
 from numerics import Checks, assert_same_bits, assert_within_ulp, out_ulp_tolerance
+
 from tpcomm.launch import RankFailure, launch
 from tpcomm.workspace import Workspace
 

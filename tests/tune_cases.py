@@ -4,8 +4,8 @@ communicator made with ``TPCOMM_DISPATCH_TABLE`` pointing at a table the tune wr
 from __future__ import annotations
 
 import torch
-
 from harness import new_communicator
+
 from tpcomm.tune.config import TuneConfig
 from tpcomm.tune.rank import measure
 

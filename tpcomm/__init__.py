@@ -21,18 +21,28 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
 
 from .communicator import Communicator  # noqa: E402
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
-from .reference import (add_rmsnorm_reference, all_reduce_reference,  # noqa: E402
-                        fused_add_rmsnorm_reference, reduce_in_rank_order)
-from .quant import (mxfp4_quant, nvfp4_quant, pack_ue8m0_scales, per_group_quant_fp8,  # noqa: E402
-                    per_token_quant_fp8, static_quant_fp8)
-from .reference import per_group_quant_reference, per_token_quant_reference  # noqa: E402
+from .quant import (  # noqa: E402
+    mxfp4_quant,
+    nvfp4_quant,
+    pack_ue8m0_scales,
+    per_group_quant_fp8,
+    per_token_quant_fp8,
+    static_quant_fp8,
+)
+from .reference import (  # noqa: E402
+    add_rmsnorm_reference,
+    all_reduce_reference,
+    fused_add_rmsnorm_reference,
+    per_group_quant_reference,
+    per_token_quant_reference,
+    reduce_in_rank_order,
+)
 
 __all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError",
            "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
 __all__ += ["mxfp4_quant", "nvfp4_quant", "pack_ue8m0_scales", "per_group_quant_fp8", "per_token_quant_fp8",
-            "static_quant_fp8",
-            "per_group_quant_reference",
-            "per_token_quant_reference"]
+            "static_quant_fp8", "per_group_quant_reference", "per_token_quant_reference"]
 from .graphs import GraphCaptureError  # noqa: E402  (tpcomm.ops, the custom ops, is imported on demand)
+
 __all__ += ["GraphCaptureError"]
 __version__ = "0.1.0"

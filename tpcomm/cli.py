@@ -164,7 +164,6 @@ def check() -> int:
 
     import torch
     import torch.distributed as dist
-
     import triton
 
     from . import dispatch, env

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from . import call_cache, dispatch, reference, validate
-from .validate import checked_limits
 from .env import interpreter_enabled, interpreter_problem, read_env
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError
-from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call, fp8_outputs
 from .kernels import chunks
 from .kernels.launch import direct_launch_supported
 from .kernels.sync import ABORTED_CODE, MISMATCH_CODE, call_signature
+from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call, fp8_outputs
+from .validate import checked_limits
 from .workspace import Workspace
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one

@@ -419,7 +419,6 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
 def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
     """Every case on this rank (run by :func:`tpcomm.launch.launch`); returns this rank's rows."""
     from .communicator import Communicator
-
     from .progress import Progress
 
     rows: list[Row] = []

@@ -216,7 +216,7 @@ def load_table(path: str) -> CrossoverTable:
 #: 5-9% faster at 16 and 64 tokens), so it is kept up to 16 KiB, one token up to hidden 8192; two-shot
 #: from 3 MiB (39.7 against 46.0 Lamport, 256 tokens). These 4-rank numbers were taken with two-shot's
 #: earlier 16-warp programs (two-shot only got faster since; not re-measured on 4 GPUs).
-#: Three ranks use the 2-rank entries, five to seven and eight (no 8-GPU machine was lent) the 4-rank ones.
+#: Three ranks use the 2-rank entries, five to seven and eight the 4-rank ones (no 8-GPU measurement).
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
 _TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-session5/tune_w2.log"
 _TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-session5/first-call/tune_w4.log"

@@ -37,8 +37,8 @@ import torch
 
 from . import dispatch
 from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator
-from .validate import checked_limits
 from .env import read_env
+from .validate import checked_limits
 from .workspace import Workspace, pdl_supported
 
 

@@ -66,6 +66,7 @@ import torch
 from . import graphs
 from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call
 
+
 # -- registry -------------------------------------------------------------------------------------------
 def register(comm) -> int:
     """``comm``'s handle for the ops (every Communicator gets one at construction: ``comm.handle``).

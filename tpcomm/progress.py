@@ -19,9 +19,14 @@ class Progress:
         self.t0 = self.last = time.monotonic()
         self.bar = self.task = None
         if show and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, \
-                TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress as RichProgress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                     TimeElapsedColumn(), TimeRemainingColumn(), transient=True)

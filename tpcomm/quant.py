@@ -29,10 +29,16 @@ import triton.language as tl
 from . import reference
 from .dispatch import row_config
 from .env import interpreter_enabled, interpreter_problem
-from .kernels import fp4 as _fp4
-from .kernels import quant as _k
-from .kernels.epilogue import (QUANT_MXFP4, QUANT_NVFP4, QUANT_PER_GROUP, QUANT_PER_GROUP_UE8M0, QUANT_PER_TOKEN,
-                               QUANT_STATIC, QuantOut)
+from .kernels import fp4 as _fp4, quant as _k
+from .kernels.epilogue import (
+    QUANT_MXFP4,
+    QUANT_NVFP4,
+    QUANT_PER_GROUP,
+    QUANT_PER_GROUP_UE8M0,
+    QUANT_PER_TOKEN,
+    QUANT_STATIC,
+    QuantOut,
+)
 from .validate import check_fp8_outputs
 
 #: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).

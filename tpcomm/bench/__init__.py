@@ -2,7 +2,7 @@
 method (GPU only).
 
 Ops (:data:`tpcomm.bench.config.OPS`): the fused all-reduce + residual add + RMSNorm (bf16/fp16 out and,
-with issue 4, FP8 out), the plain all-reduce, all-gather and reduce-scatter. Contenders
+with the fused FP8 output), the plain all-reduce, all-gather and reduce-scatter. Contenders
 (:mod:`tpcomm.bench.contenders`): tpcomm, NCCL (+ the torch epilogue), PyTorch symmetric memory one-shot
 / two-shot / all-gather / reduce-scatter, FlashInfer's TensorRT-LLM fusion (one-shot and two-shot) and
 vLLM custom all-reduce where FlashInfer is installed, plus reference rows: the torch epilogue alone and
@@ -20,7 +20,7 @@ rank), ``summary`` (slowest rank, medians, bandwidths), ``report`` (tables, JSON
 ``progress``, ``estimate`` (expected run time), ``command`` (the command), ``args`` (its options).
 """
 
-from .config import BenchConfig
 from .command import main
+from .config import BenchConfig
 
 __all__ = ["BenchConfig", "main"]

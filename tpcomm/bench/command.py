@@ -14,7 +14,7 @@ from .estimate import estimate_seconds
 
 def default_ops() -> tuple[str, ...]:
     """:data:`DEFAULT_OPS`, with ``fused_fp8`` after ``fused`` when this tpcomm's ``fused_add_rmsnorm``
-    takes ``quant=`` (issue 4)."""
+    takes ``quant=`` (the fused FP8 output)."""
     import inspect
 
     from ..communicator import Communicator

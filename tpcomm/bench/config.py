@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 #: Ops in table order, with what a row times. ``fused_fp8`` runs only when asked for (``--ops``) or when
-#: this tpcomm's ``fused_add_rmsnorm`` takes ``quant=`` (issue 4).
+#: this tpcomm's ``fused_add_rmsnorm`` takes ``quant=`` (the fused FP8 output).
 OPS = {
     "fused": "all-reduce + residual add + RMSNorm (bf16/fp16 out)",
     "fused_fp8": "all-reduce + residual add + RMSNorm + per-token FP8 quant (e4m3fn out)",

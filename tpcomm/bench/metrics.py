@@ -11,7 +11,7 @@ With ``n`` the row's bytes (:func:`tpcomm.bench.config.message_bytes`), ``t`` th
 Bus bandwidth is what each GPU's links carry per second in a bandwidth-optimal algorithm, so it is
 comparable across ops and world sizes; for two GPUs an all-reduce's busbw is ``n / t``.
 
-Copy bandwidth (the reference of issue 3): every rank at once writes ``n`` bytes into the next rank's
+Copy bandwidth (the reference of the bandwidth goals): every rank at once writes ``n`` bytes into the next rank's
 memory (rank ``r`` into rank ``(r + 1) % W``, a peer-mapped symmetric buffer), timed like every other
 contender; ``copy_bw = n / t_copy``, the faster of a copy-engine copy (``Tensor.copy_``) and an SM copy
 (an elementwise kernel storing to the peer). ``% of copy bandwidth = 100 * busbw / copy_bw`` at the

@@ -23,10 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..progress import Progress
 from . import contenders as contenders_mod
 from .checks import Case, compare, expected, make_inputs
 from .config import ELEMENT_SIZE, BenchConfig, calls_per_replay, message_bytes, runs_shape
-from ..progress import Progress
 from .timing import agree, capture, describe, device, sync, time_replays
 
 

@@ -29,8 +29,22 @@ import triton.language as tl
 
 from ..env import interpreter_enabled
 from .fp4 import mxfp4_tile, nvfp4_tile
-from .quant import (_F32_MAX, abs_bits, amax_from_bits, fp8_encode, fp8_scale, group_amax, group_division, pow2_ceil,
-                    quantize, row_amax, static_inverse, store_fp8, token_division, widen)
+from .quant import (
+    _F32_MAX,
+    abs_bits,
+    amax_from_bits,
+    fp8_encode,
+    fp8_scale,
+    group_amax,
+    group_division,
+    pow2_ceil,
+    quantize,
+    row_amax,
+    static_inverse,
+    store_fp8,
+    token_division,
+    widen,
+)
 
 #: ``QUANT`` of :func:`reduce_norm_row`: no FP8 output, one scale per row, one per group of a row.
 QUANT_NONE = tl.constexpr(0)

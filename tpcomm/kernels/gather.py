@@ -17,8 +17,17 @@ import triton
 import triton.language as tl
 
 from .launch import KernelCall
-from .sync import (base_ptr, check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, own_ptr,
-                   start_program, table_bases)
+from .sync import (
+    base_ptr,
+    check_abort,
+    exchange_flags,
+    finish_program,
+    flag_offset,
+    launch_timeout,
+    own_ptr,
+    start_program,
+    table_bases,
+)
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -53,7 +62,8 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
                     tl.store(dst + cols, v, mask=mask)
             tl.store(out_ptr + rank * out_rank_stride + row_start + cols, v, mask=mask)
 
-    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
+                             signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 2. Copy every peer's rows out of this rank's receive buffer.

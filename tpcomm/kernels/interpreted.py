@@ -39,8 +39,8 @@ def _lang_ids(fn, langs) -> frozenset[int]:
 def install() -> bool:
     """Wrap the interpreter's patching (module docstring); idempotent. Returns whether it is in place."""
     try:
-        from triton.runtime import interpreter as interp
         import triton.language as tl
+        from triton.runtime import interpreter as interp
         patch_lang, executor = interp._patch_lang, interp.GridExecutor
         empty_scope = interp._LangPatchScope
     except (ImportError, AttributeError):

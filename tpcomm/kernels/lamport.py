@@ -37,14 +37,39 @@ When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.p
 import triton
 import triton.language as tl
 
-from .epilogue import (NO_QUANT, PRELOAD_EPILOGUE, SUM_GIVEN, SUM_REDUCE, no_quant_args, preload_row,
-                       reduce_norm_row, round_to)
+from .epilogue import (
+    NO_QUANT,
+    PRELOAD_EPILOGUE,
+    SUM_GIVEN,
+    SUM_REDUCE,
+    no_quant_args,
+    preload_row,
+    reduce_norm_row,
+    round_to,
+)
+from .launch import KernelCall
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
-from .launch import KernelCall
-from .sync import (ERR_MISMATCH, ERR_TIMEOUT, abort_index, abort_word, base_ptr, check_abort, finish_program,
-                   grace_ns, launch_timeout, now_ns, own_ptr, record_error, record_lanes, record_timeout,
-                   store_abort, table_bases, take_ticket, wait_previous)
+from .sync import (
+    ERR_MISMATCH,
+    ERR_TIMEOUT,
+    abort_index,
+    abort_word,
+    base_ptr,
+    check_abort,
+    finish_program,
+    grace_ns,
+    launch_timeout,
+    now_ns,
+    own_ptr,
+    record_error,
+    record_lanes,
+    record_timeout,
+    store_abort,
+    table_bases,
+    take_ticket,
+    wait_previous,
+)
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)

@@ -25,8 +25,17 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .launch import KernelCall
-from .sync import (base_ptr, check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, own_ptr,
-                   start_program, table_bases)
+from .sync import (
+    base_ptr,
+    check_abort,
+    exchange_flags,
+    finish_program,
+    flag_offset,
+    launch_timeout,
+    own_ptr,
+    start_program,
+    table_bases,
+)
 
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
@@ -71,7 +80,8 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         res_pre, w_pre = offs, offs
 
     # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
-    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
+                             signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 3. Reduce in rank order and run the epilogue.

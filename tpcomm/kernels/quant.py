@@ -264,7 +264,8 @@ def e4m3_bytes(x):
 
     ``x.to(tl.float8e4nv)`` emits the same conversion, but Triton (3.6 and 3.9, sm_90 build) then
     unpacks every pair into single bytes and packs them again for the store: per 16 elements, the same 8
-    conversions plus 26 instructions that unpack and repack, against 3 moves here. ``cvt ... d, a, b`` puts ``a`` in the upper half of ``d``, so the elements
+    conversions plus 26 instructions that unpack and repack, against 3 moves here. ``cvt ... d, a, b`` puts ``a`` in
+    the upper half of ``d``, so the elements
     are given in reverse; the first element of four is the lowest byte, as Triton packs them. A fused
     FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.65 / 5.98 / 17.45 µs against 4.70 / 6.05 / 17.43 with
     Triton's conversion for Lamport, 4.63 / 5.85 / 12.69 against 4.72 / 5.80 / 13.02 for one-shot

@@ -378,7 +378,8 @@ def exchange_flags(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank,
     waits."""
     if alive:
         signal_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, WORLD)
-    return wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
+    return wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr,
+                      state_ptr,
                       abort_off, WORLD)
 
 

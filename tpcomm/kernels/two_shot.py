@@ -47,8 +47,19 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, SUM_LOAD, no_quant_args, reduce_norm_row, reduce_tile, round_to
 from .launch import KernelCall
-from .sync import (base_ptr, check_abort, exchange_flags, finish_program, flag_offset, launch_timeout, own_ptr,
-                   signal_peers, start_program, table_bases, wait_peers)
+from .sync import (
+    base_ptr,
+    check_abort,
+    exchange_flags,
+    finish_program,
+    flag_offset,
+    launch_timeout,
+    own_ptr,
+    signal_peers,
+    start_program,
+    table_bases,
+    wait_peers,
+)
 
 
 @triton.jit
@@ -101,7 +112,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                         cols = t * BLOCK_H + offs
                         mask = (cols < H) & (row_start + cols < numel)
                         tl.store(dst + cols, tl.load(x_ptr + row_start + cols, mask=mask), mask=mask)
-    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch, signature,
+    timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
+                             signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
 
     # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
@@ -125,7 +137,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                 if not SCATTER_ONLY:
                     for q in tl.static_range(WORLD):
                         if q != rank:
-                            tl.store(base_ptr(bases, buf_table_ptr, q, DTYPE, WORLD) + gather_off + jj * row_stride + cols, s,
+                            tl.store(base_ptr(bases, buf_table_ptr, q, DTYPE, WORLD) + gather_off + jj * row_stride +
+                                     cols, s,
                                      mask=mask)
 
     if not SCATTER_ONLY:
@@ -145,7 +158,8 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                     eps, rank, offs, offs, False, offs,
                                     WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                     QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
-        timeout = wait_peers(flag_table_ptr, flag_bases, flags, epoch, signature, rank, pid, timeout, err_ptr, state_ptr,
+        timeout = wait_peers(flag_table_ptr, flag_bases, flags, epoch, signature, rank, pid, timeout, err_ptr,
+                             state_ptr,
                              abort_off, WORLD)
         # 3b. The epilogue of every peer's row j, from the gathered sums.
         for jj in range(pid, n_local, num_programs):

@@ -11,8 +11,7 @@ import argparse
 import datetime
 import time
 
-from ..argtypes import positive_int
-from ..argtypes import world_size as ranks_arg
+from ..argtypes import positive_int, world_size as ranks_arg
 from .config import DTYPE_NAMES, OPS, default_out_path, estimate_seconds, make_config, measurements_path
 
 #: Exit statuses: a table was written / a check, a rank or the workspace failed / this machine cannot
@@ -151,7 +150,8 @@ def describe_sweep(cfg) -> str:
                          f"x {cfg.hidden}")
     return (f"tpcomm tune: {'; '.join(parts)}; {cfg.dtype}; {cfg.world_size} GPUs; each algorithm forced "
             f"(lamport up to {format_bytes(LAMPORT_MAX_BYTES)} for 16-bit, one_shot, two_shot), checked, then "
-            f"timed in a CUDA graph of up to {cfg.graph_calls} calls, median of up to {cfg.replays} replays, slowest rank.")
+            f"timed in a CUDA graph of up to {cfg.graph_calls} calls, median of up to {cfg.replays} replays, "
+            "slowest rank.")
 
 
 def finish(cfg, per_rank: list[dict], out: str, command: str, wall_s: float = 0.0,

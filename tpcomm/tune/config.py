@@ -28,7 +28,7 @@ ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: The algorithms the dispatch chooses among, in the order the table lists them.
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
 
-#: Smallest and largest all-reduce message of the sweep (issue 3: the speed goals span 8 KiB..64 MiB).
+#: Smallest and largest all-reduce message of the sweep (the speed goals span 8 KiB..64 MiB).
 AR_MIN_BYTES, AR_MAX_BYTES = 8 << 10, 64 << 20
 #: Largest token count of the fused sweep (prefill of 16k tokens).
 FUSED_MAX_TOKENS = 16384

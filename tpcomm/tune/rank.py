@@ -31,8 +31,8 @@ import torch.distributed as dist
 from ..bench.checks import Case, compare, expected, make_inputs
 from ..bench.config import calls_per_replay
 from ..bench.contenders.base import Slots
-from ..progress import Progress
 from ..bench.timing import agree, capture, describe, device, sync, time_replays
+from ..progress import Progress
 from .config import TuneConfig
 
 #: The bench's name of each op (:data:`tpcomm.bench.config.OPS`), for its inputs and checks.

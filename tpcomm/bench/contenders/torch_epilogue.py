@@ -59,8 +59,8 @@ class TorchAddRMSNorm(Contender):
         return Bound(call=lambda k: epilogue(case.op, x[k], res, w, case.eps), outputs=lambda r: r)
 
     def expected(self, case, inputs):
-        from ..checks import FP8_DTYPE
         from ...reference import add_rmsnorm_reference, per_token_quant_reference
+        from ..checks import FP8_DTYPE
 
         out, res = add_rmsnorm_reference(inputs.xs[case.rank], inputs.residual, inputs.weight, case.eps)
         if case.op == "fused":

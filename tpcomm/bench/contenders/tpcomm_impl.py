@@ -1,12 +1,12 @@
 """tpcomm itself, checked against the numerics contract bit for bit.
 
     fused            comm.fused_add_rmsnorm(x, residual, weight, eps)            -> (out, residual_out)
-    fused_fp8        comm.fused_add_rmsnorm(x, residual, weight, eps, quant="fp8_per_token")  (issue 4)
+    fused_fp8        comm.fused_add_rmsnorm(x, residual, weight, eps, quant="fp8_per_token")
     all_reduce       comm.all_reduce(x)
     all_gather       comm.all_gather(x, dim=0)        x (T/W, H) -> (T, H)
     reduce_scatter   comm.reduce_scatter(x, dim=0)    x (T, H) -> this rank's (T/W, H) share
 
-``tpcomm_unfused`` (fused_fp8 only) is issue 4's baseline: the bf16 fused call, then the standalone
+``tpcomm_unfused`` (fused_fp8 only) is the fused FP8 output's baseline: the bf16 fused call, then the standalone
 per-token quant kernel on its ``out`` (``tpcomm.per_token_quant_fp8``): the same bytes as the fused FP8
 call, in two launches.
 
@@ -27,7 +27,7 @@ FP8_QUANT = "fp8_per_token"
 
 
 def has_fp8_quant(comm) -> bool:
-    """Whether this tpcomm's ``fused_add_rmsnorm`` takes ``quant=`` (issue 4)."""
+    """Whether this tpcomm's ``fused_add_rmsnorm`` takes ``quant=`` (the fused FP8 output)."""
     try:
         return "quant" in inspect.signature(comm.fused_add_rmsnorm).parameters
     except (TypeError, ValueError):
@@ -53,7 +53,7 @@ class Tpcomm(Contender):
         if not hasattr(comm, _METHOD[op]):
             raise NotApplicable(f"this tpcomm has no {_METHOD[op]}")
         if op == "fused_fp8" and not has_fp8_quant(comm):
-            raise NotApplicable("this tpcomm's fused_add_rmsnorm has no quant= (issue 4)")
+            raise NotApplicable("this tpcomm's fused_add_rmsnorm has no quant= (no fused FP8 output)")
         note = algorithm(comm, case)
         if op == "fused":
             return Bound(call=lambda k: comm.fused_add_rmsnorm(x[k], res, w, eps),
@@ -93,7 +93,7 @@ class TpcommUnfused(Contender):
     def bind(self, case, slots, ctx) -> Bound:
         comm, x, res, w, eps = ctx.comm, slots.x, slots.residual, slots.weight, case.eps
         if not has_fp8_quant(comm):
-            raise NotApplicable("this tpcomm's fused_add_rmsnorm has no quant= (issue 4)")
+            raise NotApplicable("this tpcomm's fused_add_rmsnorm has no quant= (no fused FP8 output)")
         from ...quant import per_token_quant_fp8
 
         def call(k):
