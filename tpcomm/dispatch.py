@@ -94,7 +94,7 @@ def row_config(hidden: int, max_programs: int, two_shot: bool = False,
     ranks take 1). Rows of two tiles or more keep 16 warps: with
     8, ptxas spills 0.7-1.6 KB per thread there against 0.1-0.3 KB with 16 (``python
     benchmarks/compile_sm90.py --regs``, Triton 3.9), and that case was not timed on GPUs.
-    Source: 2 H200s, bf16, CUDA graphs, ``benchmarks/dev_large.py``
+    Source: 2 H200s, bf16, CUDA graphs, ``dev/dev_large.py``
     (docs/data/run-2xH200-session5/dev_large.log): fused two-shot at 1024 / 4096 / 16384 x 6144 took
     58.9 / 193.8 / 762.6 us against 64.1 / 226.1 / 862.2 with 16 warps and 264 programs, fused FP8
     64.1 / 217.3 / 855.2 against 75.0 / 260.4 / 993.8, the flat all-reduce of 16 / 64 / 192 MiB

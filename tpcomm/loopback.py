@@ -10,7 +10,7 @@ peers' stores land in the same GPU's memory instead of crossing NVLink, so timin
 own costs, not a multi-GPU machine's.
 
 For tests and kernel experiments on a one-GPU machine (``tests/test_gpu_loopback.py``,
-``benchmarks/dev_loopback.py``); not for models.
+``dev/dev_loopback.py``); not for models.
 
 Limits:
   * The ranks' programs must be resident together, since a program that waits for a peer holds its SM

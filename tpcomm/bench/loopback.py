@@ -10,7 +10,7 @@ entries the same for every rank): ``buffer_q`` of ``W * max_tokens * H * 2`` byt
 bytes with every 16-bit word the -0.0 sentinel, ``flag_r`` int32 ``[0, 0, 0, lamport_comm_size, 0]``
 (read counter, non-Lamport flag, Lamport flag, triple-buffer offset, clear size).
 
-Timing (as ``benchmarks/dev_loopback.py``): each rank issues ``calls`` calls on its own stream (one fork
+Timing (as ``dev/dev_loopback.py``): each rank issues ``calls`` calls on its own stream (one fork
 from the capturing stream, one join), captured in one graph; µs per call is the median over ``replays``
 replays of the replay's time divided by ``calls``. The peer's data never crosses NVLink here: these are
 the kernels' own costs, to compare kernels on a machine with one GPU.

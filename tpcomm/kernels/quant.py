@@ -184,7 +184,7 @@ def fp8_encode(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     hardware conversion, which saturates by itself (see the module docstring), and the canonical NaN
     byte; otherwise :func:`fp8_encode_soft`. Same bytes. An explicit clamp before the conversion cost
     0.12-0.18 µs of a fused FP8 call of 1-16 x 6144 bf16 and 0.46-0.51 µs at 64 tokens (loopback ranks
-    on one H200, ``benchmarks/dev_loopback.py --variants base,clamp``, docs/benchmarks.md).
+    on one H200, ``dev/dev_loopback.py --variants base,clamp``, docs/benchmarks.md).
     """
     if NATIVE_FP8 and FP8 == tl.float8e4nv:
         code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -239,7 +239,7 @@ def divide(v, scale, recip, fast):
 
     A correctly rounded division is a long instruction sequence per element; it made the FP8 epilogue
     cost about half of the whole fused kernel (one H200, group of one rank, 6144 x 4096 bf16: 74 us
-    without FP8, 114 us with, 83 us with ``v * (1 / scale)``; ``benchmarks/dev_single.py``,
+    without FP8, 114 us with, 83 us with ``v * (1 / scale)``; ``dev/dev_single.py``,
     ``docs/data/dev_single_1xH200/``). With ``fast`` (a scalar; see :func:`token_division`) the
     quotient is instead :func:`fast_divide`'s: one multiply and two FMAs per element. The remainder
     ``v - q0 * scale`` is exact unless it underflows, which the fast path's ``scale >= 2^-90`` rules
@@ -269,7 +269,7 @@ def e4m3_bytes(x):
     are given in reverse; the first element of four is the lowest byte, as Triton packs them. A fused
     FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.65 / 5.98 / 17.45 µs against 4.70 / 6.05 / 17.43 with
     Triton's conversion for Lamport, 4.63 / 5.85 / 12.69 against 4.72 / 5.80 / 13.02 for one-shot
-    (loopback ranks on one H200, ``benchmarks/dev_loopback.py --variants base,fp8_unpacked``,
+    (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,fp8_unpacked``,
     docs/benchmarks.md).
     """
     return tl.inline_asm_elementwise(
@@ -290,7 +290,7 @@ def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr)
     full :func:`fp8_encode`. With the NaN select on every byte and a select for the sign of a zero
     quotient (before :func:`fast_divide`), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.93 / 6.38 /
     18.62 µs against 4.61 / 5.97 / 17.47 for Lamport, 5.05 / 6.33 / 14.66 against 4.68 / 5.86 / 12.89 for
-    one-shot (loopback ranks on one H200, ``benchmarks/dev_loopback.py --variants base,fp8_selects``,
+    one-shot (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,fp8_selects``,
     docs/benchmarks.md; both with Triton's own conversion, before :func:`e4m3_bytes`).
     """
     if fast:
@@ -316,7 +316,7 @@ def store_fp8(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
     (``benchmarks/compile_sm90.py``'s sm_90 build of it). The contiguity hint makes the byte store take
     the source's layout instead; it changes no byte. A fused FP8 call of 1 / 16 x 6144 bf16 took 5.88 /
     6.73 µs against 6.59 / 7.49 without it for Lamport, 5.87 / 6.54 against 6.20 / 6.97 for one-shot
-    (loopback ranks on one H200, ``benchmarks/dev_loopback.py --variants base,store_fp8_wide``,
+    (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,store_fp8_wide``,
     docs/benchmarks.md).
     """
     tl.store(tl.max_contiguous(q_ptr + cols, 128 // SRC_BITS), code, mask=mask)

@@ -3,7 +3,7 @@ synchronisation and a timestamped line per rank, so a hang or a timeout shows wh
 ``faulthandler`` dumps every rank's stack after 45 s). The first device call after a kernel change;
 it found the Lamport call-tag race (``docs/data/run-2xH200-session3/diag_calls_before_tag_fix.log``).
 
-    PYTHONPATH=. python benchmarks/diag_calls.py
+    PYTHONPATH=. python dev/diag_calls.py
 """
 import faulthandler
 import os

@@ -2,7 +2,7 @@
 of tpcomm fused against NCCL all-reduce + torch add + RMSNorm (hidden 6144 bf16). The published numbers
 come from `tpcomm bench`; this script is for quick iterations on the kernels.
 
-    PYTHONPATH=. python benchmarks/dev_fused.py [--out DIR]
+    PYTHONPATH=. python dev/dev_fused.py [--out DIR]
 """
 import argparse
 import json

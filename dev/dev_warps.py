@@ -1,7 +1,7 @@
 """Development sweep on 2 GPUs: num_warps of the row kernels (Lamport and one-shot, fused, hidden 6144
 bf16, CUDA graph) at decode sizes. Patches tpcomm.dispatch.row_config for the experiment only.
 
-    PYTHONPATH=. python benchmarks/dev_warps.py
+    PYTHONPATH=. python dev/dev_warps.py
 """
 import dataclasses
 import os

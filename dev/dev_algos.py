@@ -3,7 +3,7 @@ gives the same bits (fused bf16, fused FP8, all-reduce, all-gather, reduce-scatt
 per algorithm against NCCL and torch symm_mem, and a peer copy for the bandwidth reference. For quick
 iterations on the kernels; published numbers come from `tpcomm bench`.
 
-    PYTHONPATH=. python benchmarks/dev_algos.py [--out DIR] [--hidden 6144]
+    PYTHONPATH=. python dev/dev_algos.py [--out DIR] [--hidden 6144]
 """
 import argparse
 import json

@@ -7,7 +7,7 @@ published ones come from ``tpcomm bench`` on 2 GPUs.
 A group of one rank normally falls back (nothing to communicate); this script patches the set-up and
 the dispatch so the kernels run with ``WORLD = 1``.
 
-    PYTHONPATH=. python benchmarks/dev_single.py [--out DIR] [--variant NAME]
+    PYTHONPATH=. python dev/dev_single.py [--out DIR] [--variant NAME]
 
 ``--variant`` patches a kernel helper or the row configuration before anything compiles (see
 ``VARIANTS``), to time alternatives; a variant's outputs are checked like the rest (some variants are

@@ -1,6 +1,6 @@
 """Compile the one-shot kernel for this GPU and report whether the data accesses are 16-byte (v4).
 
-    PYTHONPATH=. python benchmarks/dump_ptx.py OUTDIR
+    PYTHONPATH=. python dev/dump_ptx.py OUTDIR
 """
 import sys
 

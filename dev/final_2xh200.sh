@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call on 2 H200s: GPU tests, bench, tune --quick, soak, demo; logs tarred into $OUT/results.tgz.
-# Usage (from the repository root): bash benchmarks/final_2xh200.sh
+# Usage (from the repository root): bash dev/final_2xh200.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=.
 W=$OUT/work; mkdir -p $W
 nvidia-smi --query-gpu=name,driver_version --format=csv > $W/gpus.txt 2>&1

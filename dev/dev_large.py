@@ -8,7 +8,7 @@ The settings in ``docs/benchmarks.md`` were timed before that change, when the c
 launch. Every output is checked bit for bit against ``tpcomm.reference`` first. Not a published number
 (those come from ``tpcomm bench``): it picks defaults to keep.
 
-    PYTHONPATH=. python benchmarks/dev_large.py --settings base,mb64,mp528,w8 [--out DIR]
+    PYTHONPATH=. python dev/dev_large.py --settings base,mb64,mp528,w8 [--out DIR]
 """
 import argparse
 import os
