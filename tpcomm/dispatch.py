@@ -23,7 +23,7 @@ import torch
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: Largest message (bytes per rank) sent with the Lamport kernel, and the size of its buffers.
-#: Source: 2 H200s, hidden 6144 bf16, CUDA graph (docs/benchmarks.md, "Lamport against one-shot").
+#: Source: 2 H200s, hidden 6144 bf16, CUDA graph (docs/history/benchmarks-to-2026-12-02.md, "Lamport against one-shot").
 LAMPORT_MAX_BYTES = 4 << 20
 
 #: Algorithms ``TPCOMM_ALGO`` may force for the all-reduce and the fused op.
@@ -46,7 +46,7 @@ TWO_SHOT_GRID_FACTOR = 2
 #: elements (the result is elementwise, so the width never changes a bit).
 ALL_REDUCE_ROW = 4096
 #: Row width of a plain all-reduce that runs Lamport when it makes fewer rows per program than
-#: ``ALL_REDUCE_ROW`` (:func:`all_reduce_width`; docs/benchmarks.md, "Decode kernels").
+#: ``ALL_REDUCE_ROW`` (:func:`all_reduce_width`; docs/history/benchmarks-to-2026-12-02.md, "Decode kernels").
 LAMPORT_ALL_REDUCE_ROW = 8192
 
 

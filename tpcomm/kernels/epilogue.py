@@ -173,7 +173,7 @@ def tree_sum(x):
     all for 8192 lanes over 16 warps against 1 in a kernel of the sum alone, sm_90 build). Moving values
     changes no bit. A fused Lamport call of 1 / 16 / 64 x 6144 bf16 took 4.14 / 5.39 / 15.34 µs against
     4.49 / 5.90 / 17.36 with every level summed where it lay (loopback ranks on one H200,
-    ``dev/dev_loopback.py --variants base,tree_levels``, docs/benchmarks.md)."""
+    ``dev/dev_loopback.py --variants base,tree_levels``, docs/history/benchmarks-to-2026-12-02.md)."""
     for _ in tl.static_range(14):  # up to 2**14 lanes (MAX_BLOCK_H is 8192)
         if x.shape[0] > _WARP_LANES:
             x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
@@ -263,7 +263,7 @@ def tile_out_amax(p_max, inv, first, o, mask, DTYPE: tl.constexpr):
     lanes ignored). With that reduction every time instead (after the norm, on the path to the first
     byte), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.78 / 6.11 / 17.81 µs against 4.64 / 5.89 /
     17.03 for Lamport, 4.67 / 5.75 / 13.01 against 4.73 / 5.64 / 12.58 for one-shot (loopback ranks on
-    one H200, ``dev/dev_loopback.py --variants base,amax_from_out``, docs/benchmarks.md)."""
+    one H200, ``dev/dev_loopback.py --variants base,amax_from_out``, docs/history/benchmarks-to-2026-12-02.md)."""
     if first:
         amax = out_amax(p_max, inv, DTYPE)
     else:

@@ -184,7 +184,7 @@ def fp8_encode(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     hardware conversion, which saturates by itself (see the module docstring), and the canonical NaN
     byte; otherwise :func:`fp8_encode_soft`. Same bytes. An explicit clamp before the conversion cost
     0.12-0.18 µs of a fused FP8 call of 1-16 x 6144 bf16 and 0.46-0.51 µs at 64 tokens (loopback ranks
-    on one H200, ``dev/dev_loopback.py --variants base,clamp``, docs/benchmarks.md).
+    on one H200, ``dev/dev_loopback.py --variants base,clamp``, docs/history/benchmarks-to-2026-12-02.md).
     """
     if NATIVE_FP8 and FP8 == tl.float8e4nv:
         code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -270,7 +270,7 @@ def e4m3_bytes(x):
     FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.65 / 5.98 / 17.45 µs against 4.70 / 6.05 / 17.43 with
     Triton's conversion for Lamport, 4.63 / 5.85 / 12.69 against 4.72 / 5.80 / 13.02 for one-shot
     (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,fp8_unpacked``,
-    docs/benchmarks.md).
+    docs/history/benchmarks-to-2026-12-02.md).
     """
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
@@ -291,7 +291,7 @@ def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr)
     quotient (before :func:`fast_divide`), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.93 / 6.38 /
     18.62 µs against 4.61 / 5.97 / 17.47 for Lamport, 5.05 / 6.33 / 14.66 against 4.68 / 5.86 / 12.89 for
     one-shot (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,fp8_selects``,
-    docs/benchmarks.md; both with Triton's own conversion, before :func:`e4m3_bytes`).
+    docs/history/benchmarks-to-2026-12-02.md; both with Triton's own conversion, before :func:`e4m3_bytes`).
     """
     if fast:
         q = fast_divide(v, scale, recip)
@@ -317,7 +317,7 @@ def store_fp8(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
     the source's layout instead; it changes no byte. A fused FP8 call of 1 / 16 x 6144 bf16 took 5.88 /
     6.73 µs against 6.59 / 7.49 without it for Lamport, 5.87 / 6.54 against 6.20 / 6.97 for one-shot
     (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,store_fp8_wide``,
-    docs/benchmarks.md).
+    docs/history/benchmarks-to-2026-12-02.md).
     """
     tl.store(tl.max_contiguous(q_ptr + cols, 128 // SRC_BITS), code, mask=mask)
 
