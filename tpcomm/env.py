@@ -1,4 +1,4 @@
-"""Every ``TPCOMM_*`` environment variable tpcomm reads, in one place (listed in the README).
+"""Every ``TPCOMM_*`` environment variable tpcomm reads, in one place (listed in docs/api.md, "Environment variables").
 
 Values are read when a :class:`~tpcomm.Communicator` is created, never at import time, so a test can
 change them between communicators.

@@ -374,7 +374,7 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
     optionally quantise to FP8, in one kernel; the method's bits.
 
     Plain torch: ``s = all_reduce(x); residual_out = s + residual; out = rms_norm(residual_out, w, eps)``
-    (``w`` replaced by ``1 + w`` when ``gemma``), with the numerics contract of the README; with
+    (``w`` replaced by ``1 + w`` when ``gemma``), with the numerics contract (docs/numerics.md); with
     ``quant``, ``q, scales = per_token_quant_fp8(out)`` (or per group; ``q = static_quant_fp8(out, scale)``
     for ``fp8_static``).
 
