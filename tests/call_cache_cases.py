@@ -346,6 +346,24 @@ def bad_outputs_case(ctx):
         "scales_out float16": lambda: comm.fused_add_rmsnorm(
             x, res, w, quant="fp8_per_token", scales_out=torch.empty(2, 1, dtype=torch.float16)),
     }
+    # the same shapes as a clean in-place call recorded just before: the repeated call checks them too
+    clean = torch.zeros_like(res)
+    buf = torch.zeros(3 * 32, dtype=x.dtype)
+    x_in, res_in_x = buf[:64].view(2, 32), buf[32:].view(2, 32)  # the residual starts one row into x
+    x_in.copy_(x)
+    wbuf = torch.zeros(3 * 32, dtype=x.dtype)
+    res_w, w_in_res = wbuf[:64].view(2, 32), wbuf[32:64]  # the weight is the residual's second row
+    w_in_res.fill_(1.0)
+
+    def after_clean(call):
+        def run():
+            comm.fused_add_rmsnorm(x, clean, w, residual_out=clean)
+            return call()
+        return run
+    cases["in-place residual_out inside x, after a clean call"] = after_clean(
+        lambda: comm.fused_add_rmsnorm(x_in, res_in_x, w, residual_out=res_in_x))
+    cases["in-place residual_out holding the weight, after a clean call"] = after_clean(
+        lambda: comm.fused_add_rmsnorm(x, res_w, w_in_res, residual_out=res_w))
     return [(name, raised(call), raised(call)) for name, call in cases.items()]
 
 

@@ -66,7 +66,9 @@ def test_bad_given_outputs_raise_naming_the_argument(pool2):
              "ops: out is residual_out": "out",
              "q_out without quant": "q_out", "q_out of another format": "q_out",
              "scales_out row-major for column-major": "scales_out", "scales_out of another shape": "scales_out",
-             "scales_out float16": "scales_out"}
+             "scales_out float16": "scales_out",
+             "in-place residual_out inside x, after a clean call": "residual_out",
+             "in-place residual_out holding the weight, after a clean call": "residual_out"}
     check = Checks()
     for r, found in enumerate(pool2.run(cases.bad_outputs_case)):
         for name, first, second in found:
@@ -140,6 +142,10 @@ def test_alignment_pattern_and_overlap_of_addresses():
     in_place = list(base)
     in_place[4] = base[1]  # residual_out is residual
     assert clear(in_place, nbytes, True) and not clear(in_place, nbytes, False)
+    for into in (0, 2, 3):  # an in-place residual is still an output: not inside x, the weight or out
+        moved = list(in_place)
+        moved[1] = moved[4] = base[into] + 2
+        assert not clear(moved, nbytes, True), into
     empty = list(base)
     empty[3] = base[0]
     assert clear(empty, (n, n, 64, 0, n, 0, 0, 0), False)  # an empty out shares nothing

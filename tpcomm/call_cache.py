@@ -292,16 +292,16 @@ def _outputs_clear(ptrs: list, nbytes: tuple, residual_in_place: bool) -> bool:
     ``ptrs``: the addresses of ``(x, residual, weight, out, residual_out, q, scales, scale)`` (0: not
     given), ``nbytes`` their sizes (every tensor of a recorded call is contiguous, so each is the span
     of its bytes; an empty one shares nothing). An in-place ``residual_out`` is ``residual`` itself,
-    which the kernels read and write row by row: it is left out. :func:`tpcomm.validate.overlapping`
-    on the hit path."""
-    outs = [(ptrs[k], ptrs[k] + nbytes[k]) for k in _FUSED_OUTPUTS
-            if ptrs[k] and nbytes[k] and not (k == 4 and residual_in_place)]
-    ins = [(ptrs[j], ptrs[j] + nbytes[j]) for j in _FUSED_INPUTS if ptrs[j] and nbytes[j]]
-    for i, (p, e) in enumerate(outs):
-        for p0, e0 in ins:
-            if p < e0 and p0 < e:
+    which the kernels read and write row by row: only that pair is allowed to share its bytes (it is
+    an output, so it may share none with ``x``, the weight or the other outputs).
+    :func:`tpcomm.validate.overlapping` on the hit path."""
+    outs = [(k, ptrs[k], ptrs[k] + nbytes[k]) for k in _FUSED_OUTPUTS if ptrs[k] and nbytes[k]]
+    ins = [(j, ptrs[j], ptrs[j] + nbytes[j]) for j in _FUSED_INPUTS if ptrs[j] and nbytes[j]]
+    for i, (k, p, e) in enumerate(outs):
+        for j, p0, e0 in ins:
+            if p < e0 and p0 < e and not (residual_in_place and k == 4 and j == 1):
                 return False
-        for p0, e0 in outs[i + 1:]:
+        for _, p0, e0 in outs[i + 1:]:
             if p < e0 and p0 < e:
                 return False
     return True
