@@ -319,6 +319,7 @@ def _bad_call(comm, case: str):
         "x_scalar": lambda: fused(torch.tensor(1.0, dtype=torch.bfloat16), None, w[:1]),
         "eps_none": lambda: fused(x, r, w, eps=None),
         "eps_float32_overflow": lambda: fused(x, r, w, eps=1e300),
+        "eps_int_beyond_float64": lambda: fused(x, r, w, eps=10 ** 400),
         "gemma_not_bool": lambda: fused(x, r, w, gemma="no"),
         "quant_empty": lambda: fused(x, r, w, quant=""),
         "x_meta_device_fused": lambda: fused(x.to("meta"), r, w),

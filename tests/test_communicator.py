@@ -41,6 +41,7 @@ BAD_INPUTS = {
     "eps_nan": (ValueError, "eps", "fused_add_rmsnorm"),
     "eps_none": (TypeError, "eps", "fused_add_rmsnorm"),
     "eps_float32_overflow": (ValueError, "eps", "fused_add_rmsnorm"),
+    "eps_int_beyond_float64": (ValueError, "eps", "fused_add_rmsnorm"),
     "gemma_not_bool": (TypeError, "gemma", "fused_add_rmsnorm"),
     "quant_empty": (ValueError, "quant", "fused_add_rmsnorm"),
     "out_shape": (ValueError, "out", "all_reduce"),

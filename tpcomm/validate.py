@@ -151,7 +151,11 @@ def check_fused_inputs(op: str, x, residual, weight, eps, gemma, emit_unquantize
         raise TypeError(f"{op}: weight has dtype {weight.dtype}; expected a float dtype")
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):  # numpy scalars included
         raise TypeError(f"{op}: eps must be a real number, got {_type_name(eps)}")
-    eps = float(eps) + 0.0
+    try:
+        eps = float(eps) + 0.0
+    except OverflowError:  # an int beyond float64
+        raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got an integer "
+                         "beyond float64") from None
     if not 0.0 <= eps <= FLOAT32_MAX:  # the kernels add it in float32
         raise ValueError(f"{op}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
     for name, flag in (("gemma", gemma), ("emit_unquantized", emit_unquantized),
@@ -195,7 +199,9 @@ def check_fp8_outputs(op: str, x, quant, q_out, scales_out, expected_scales: tor
     (``expected_scales``)."""
     if quant is None:
         if q_out is not None or scales_out is not None:
-            raise ValueError(f"{op}: q_out and scales_out need quant='fp8_per_token' or 'fp8_per_group'")
+            from .quant import QUANT_MODES
+
+            raise ValueError(f"{op}: q_out and scales_out need quant= (one of {', '.join(QUANT_MODES)})")
         return
     if q_out is not None:
         _check_output(op, "q_out", q_out, x.shape if q_shape is None else q_shape, fp8_dtype, device)
