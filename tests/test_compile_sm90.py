@@ -1,7 +1,7 @@
 """Every kernel compiles for sm_90 (H100/H200) without a GPU, down to a cubin with the Triton wheel's
 ptxas. The CPU interpreter does not check what the GPU compiler does (for instance that both branches of
 an ``if`` give a variable the same type); a kernel that only ever ran on CPU ranks can still fail to
-compile on the GPU machine. Runs in a subprocess with ``TRITON_INTERPRET=0``. Also checks one property
+compile on a GPU. Runs in a subprocess with ``TRITON_INTERPRET=0``. Also checks one property
 of the builds that the interpreter cannot show: the FP8 byte store adds no layout conversion."""
 
 import os

@@ -1,5 +1,5 @@
 """The correctness checks of the CPU suite on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory), plus CUDA-graph
-capture and replay. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU machine:
+capture and replay. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on a machine with GPUs:
 ``python -m pytest -q -m gpu tests/test_gpu.py``.
 
 Spawning ranks and joining NCCL costs seconds, so each module-scoped fixture launches once and runs

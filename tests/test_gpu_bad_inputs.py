@@ -1,7 +1,7 @@
 """The bad-input matrix on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory): every CPU case of
 ``tests/test_bad_inputs.py`` plus the GPU-only rows: a CPU tensor or a tensor on the other GPU given to
 a GPU communicator (each tensor argument in turn), and sizes exactly at and one past the Lamport limit
-and the default 32 MiB workspace. Marked ``gpu``; skipped without that many GPUs. Run on the GPU machine:
+and the default 32 MiB workspace. Marked ``gpu``; skipped without that many GPUs. Run on a machine with GPUs:
 ``python -m pytest -q -m gpu tests/test_gpu_bad_inputs.py``."""
 
 import bad_input_cases

@@ -1,5 +1,5 @@
 """Fused FP8 output of ``fused_add_rmsnorm(..., quant=...)`` on ``GPU_WORLD`` GPUs, at the shapes of real
-models. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU machine:
+models. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on a machine with GPUs:
 ``python -m pytest -q -m gpu tests/test_gpu_fused_fp8.py``.
 
 Per case, on both GPUs: bytes and scales equal the standalone Triton quant (``tpcomm.quant``, with the

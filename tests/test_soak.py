@@ -1,6 +1,6 @@
 """``tpcomm soak`` (``tpcomm/soak.py``) on 2 CPU ranks: a short soak passes; a wrong result and a skipped
 call are counted (mismatch, hang) and the soak goes on after the hang; every algorithm the dispatch offers
-is drawn; the command runs end to end. The 10,000-step GPU soak is run on the GPU machine (README)."""
+is drawn; the command runs end to end. The 10,000-step GPU soak is run on GPUs (docs/reliability.md)."""
 
 from collections import Counter
 

@@ -182,7 +182,7 @@ def test_tpcomm_check_reports_an_invalid_setting(capsys, monkeypatch):
 
 def test_parse_the_captured_h200_matrix():
     """The real output of 2 H200s (docs/data/topo_2xH200.txt: ``nvidia-smi topo -m``, then ``---`` and the
-    ``--query-gpu`` lines), as captured on the GPU machine."""
+    ``--query-gpu`` lines), as captured on 2 H200s."""
     import os
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data",

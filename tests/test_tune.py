@@ -22,7 +22,7 @@ M = Margin()  # 2 %, 0.3 µs
 
 # -- the sweep --------------------------------------------------------------------------------------
 
-def test_grid_is_geometric_and_spans_the_brief():
+def test_grid_is_geometric_and_spans_the_speed_goals():
     ar = config.all_reduce_sizes()
     assert ar[0] == 8 * KiB and ar[-1] == 64 * MiB and len(ar) == 27
     assert all(1.3 <= b / a <= 1.5 for a, b in zip(ar, ar[1:]))  # 3/2 and 4/3 alternate
@@ -57,8 +57,8 @@ def test_bad_config_names_the_argument(kw, match):
         TuneConfig(**{"world_size": 2, **kw})
 
 
-def test_estimate_fits_the_device_budget():
-    """The brief's targets on 2 GPUs: the default sweep within 3 minutes, --quick within 1 (by the
+def test_estimate_is_within_the_time_targets():
+    """The sweep's time targets on 2 GPUs: the default sweep within 3 minutes, --quick within 1 (by the
     model in tpcomm/tune/config.py, which errs long)."""
     full, quick = config.estimate_seconds(make_config(2)), config.estimate_seconds(make_config(2, quick=True))
     assert quick < full <= 180 and quick <= 60

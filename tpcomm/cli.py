@@ -25,11 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak,tune}")
     sub.required = True
 
-    d = sub.add_parser("demo", help="run every op at model shapes and a tensor-parallel MLP block, "
-                                    "checked against the reference",
-                       description="Start the ranks, run every op at model shapes and a tensor-parallel "
-                                   "MLP block, check each result against the reference; exit 1 on any "
-                                   "mismatch.")
+    d = sub.add_parser("demo", help="run the all-reduce and the fused op at model shapes and a tensor-parallel "
+                                    "MLP block, checked against the reference",
+                       description="Start the ranks, run the all-reduce and the fused add + RMSNorm at model "
+                                   "shapes and a tensor-parallel MLP block, check each result against the "
+                                   "reference; exit 1 on any mismatch.")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
     d.add_argument("--world", type=world_size, default=None,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-#: Variables set for every rank on GPU machines (never use NVLink multicast: the GPU machines' rules,
+#: Variables set for every rank on GPU machines (never use NVLink multicast,
 #: docs/history/benchmarks-to-2026-12-02.md).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -356,8 +356,8 @@ def nvfp4_quant(x: torch.Tensor, global_scale: torch.Tensor, swizzled_scales: bo
 
 def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
     """Power-of-two float32 scales ``(T, G)`` (``per_group_quant_fp8(..., ue8m0=True)``'s) in the packed,
-    MN-major, TMA-aligned int32 layout DeepGEMM's SM100 FP8 GEMMs read (docs/numerics.md, "Packed
-    layout"): each scale as its E8M0 byte (its float32 exponent bits: ``log2(scale) + 127``, 0xFF for
+    MN-major, TMA-aligned int32 layout DeepGEMM's SM100 FP8 GEMMs read (docs/numerics.md, "Per-group FP8
+    with UE8M0 scales"): each scale as its E8M0 byte (its float32 exponent bits: ``log2(scale) + 127``, 0xFF for
     NaN and Inf), groups ``4k .. 4k + 3`` of row ``t`` in int32 ``[t, k]`` (group ``4k + j`` in byte
     ``j``), stored column by column with ``Tp = ceil(T / 4) * 4`` int32s a column; padding bytes are zero.
     Torch operations only (no host synchronisation; safe in a CUDA graph).

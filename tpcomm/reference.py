@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 on the GPU machine has only the old name.
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 has only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 

@@ -1,4 +1,4 @@
-"""How long a sweep will take on the GPU machine, printed before it starts (``--estimate`` prints it and
+"""How long a sweep will take on the GPUs, printed before it starts (``--estimate`` prints it and
 exits; no GPU needed).
 
 A model of the run, fitted to the per-phase seconds that every JSON holds (``phases_s``), from the

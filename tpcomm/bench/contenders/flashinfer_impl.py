@@ -1,12 +1,12 @@
 """FlashInfer (0.6.18.post1): TensorRT-LLM's all-reduce fusion kernels and its port of vLLM's custom
-all-reduce. Installed on the GPU machine from carried wheels (docs/benchmarks.md, "FlashInfer"); where
+all-reduce. Installed from wheels where there is no network (docs/benchmarks.md, "FlashInfer"); where
 ``import flashinfer.comm`` fails, these contenders are reported unavailable and the rest runs.
 
     fi_trtllm_oneshot / fi_trtllm_twoshot    flashinfer.comm.trtllm_allreduce_fusion(..., use_oneshot=...)
         fused       pattern kARResidualRMSNorm: residual in and out, norm out
         fused_fp8   pattern kARResidualRMSNormDynamicFP8Quant: per-token FP8 out, float32 scales (T, 1)
         all_reduce  pattern kAllReduce
-        Settings (as in ../shared/peers/README.md): fp32 accumulation, PDL on, completion triggered at
+        Settings (as TensorRT-LLM's own benchmarks run it): fp32 accumulation, PDL on, completion triggered at
         the end, one IPC workspace for the sweep's largest T x H (16-bit Lamport buffers). Two-shot needs
         T > world size.
     fi_vllm   flashinfer.comm.vllm_all_reduce with 36 CTAs (its maximum), then the torch epilogue for the

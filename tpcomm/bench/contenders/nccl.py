@@ -14,7 +14,7 @@ from .base import Bound, Contender, NotApplicable, new_outputs, poison
 from .torch_epilogue import epilogue
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names are deprecated there);
-# torch 2.11 on the GPU machine has only the old names.
+# torch 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
