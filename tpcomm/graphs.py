@@ -162,7 +162,12 @@ def capture_guard(*comms):
 #: What :func:`warmup` can run: the ops of :mod:`tpcomm.ops` (the FP8 forms with their defaults:
 #: e4m3fn, group size 128, row-major scales).
 WARMUP_OPS = ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm", "fused_add_rmsnorm_fp8_per_token",
-              "fused_add_rmsnorm_fp8_per_group", "all_gather", "reduce_scatter")
+              "fused_add_rmsnorm_fp8_per_group", "fused_add_rmsnorm_fp8_per_group_ue8m0",
+              "fused_add_rmsnorm_fp8_static", "fused_add_rmsnorm_mxfp4", "fused_add_rmsnorm_nvfp4",
+              "all_gather", "reduce_scatter")
+#: The quantised forms among :data:`WARMUP_OPS`, and the ``quant`` each passes.
+_QUANT_WARMUPS = {f"fused_add_rmsnorm_{q}": q for q in ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0",
+                                                         "fp8_static", "mxfp4", "nvfp4")}
 
 
 def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
@@ -180,11 +185,13 @@ def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] 
             and scatters along dim 0).
         dtypes: activation dtypes (default bf16).
         ops: any of :data:`WARMUP_OPS`: ``"all_reduce"``, ``"fused_add_rmsnorm"`` (with a residual),
-            ``"fused_rmsnorm"`` (without one), ``"fused_add_rmsnorm_fp8_per_token"`` and
-            ``"fused_add_rmsnorm_fp8_per_group"`` (with a residual; e4m3fn, group size 128: H must be a
-            multiple of 128), ``"all_gather"``, ``"reduce_scatter"``. Other FP8 arguments
-            (``fp8_dtype``, ``column_major_scales``, ``emit_unquantized``) compile other kernels: warm
-            those calls up by making them once.
+            ``"fused_rmsnorm"`` (without one), ``"fused_add_rmsnorm_<quant>"`` for each ``quant`` form
+            (``fp8_per_token``, ``fp8_per_group``, ``fp8_per_group_ue8m0``, ``fp8_static``, ``mxfp4``,
+            ``nvfp4``; with a residual; e4m3fn, group size 128, linear scales: H must be a multiple of
+            128 for the group forms, 32 for MXFP4, 16 for NVFP4), ``"all_gather"``,
+            ``"reduce_scatter"``. Other quant arguments (``fp8_dtype``, ``column_major_scales``,
+            ``emit_unquantized``, ``swizzled_scales``) compile other kernels: warm those calls up by
+            making them once.
         weight_dtype: dtype of the norm weight (default: the activation dtype).
         gemma: warm up the Gemma form of the fused ops instead (its kernels differ).
     Returns:
@@ -214,8 +221,12 @@ def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] 
                     tops.all_gather(comm, x)
                 elif op == "reduce_scatter":
                     tops.reduce_scatter(comm, x)
-                elif op.startswith("fused_add_rmsnorm_fp8_"):
-                    tops.fused_add_rmsnorm(comm, x, x, w, gemma=gemma, quant=op[len("fused_add_rmsnorm_"):])
+                elif op in _QUANT_WARMUPS:
+                    quant = _QUANT_WARMUPS[op]
+                    # the static scale and NVFP4's global scale are inputs: any one-element float32 tensor
+                    scale = (torch.ones(1, dtype=torch.float32, device=comm.device)
+                             if quant in ("fp8_static", "nvfp4") else None)
+                    tops.fused_add_rmsnorm(comm, x, x, w, gemma=gemma, quant=quant, scale=scale)
                 else:
                     tops.fused_add_rmsnorm(comm, x, x if op == "fused_add_rmsnorm" else None, w, gemma=gemma)
                 calls += 1
