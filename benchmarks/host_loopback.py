@@ -68,7 +68,7 @@ def _ops(T, H, ranks, xs, res, w):
     }
 
 
-def _trtllm_ops(T, H, ranks, xs, res, w):
+def trtllm_ops(T, H, ranks, xs, res, w):
     """FlashInfer's TRT-LLM one-shot calls with their outputs passed, as ``_ops`` gives tpcomm's (checked
     once here), or ``{}`` without FlashInfer."""
     try:
@@ -159,7 +159,7 @@ def main():
                     got = run_ranks(ranks, fn)
                 torch.cuda.synchronize()
                 assert all(ok(got[r], r) for r in range(len(ranks))), f"{name} T={T}: wrong result"
-            peer = _trtllm_ops(T, H, ranks, xs, res, w)
+            peer = trtllm_ops(T, H, ranks, xs, res, w)
             for direct in (True, False):
                 for rank in ranks:
                     for entry in rank._calls._entries.values():  # replays through kernel[grid] when False

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from host_loopback import trtllm_ops  # this folder's: the same TRT-LLM calls
 
 
 def per_call(fn, calls):
@@ -27,11 +28,11 @@ def per_call(fn, calls):
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def both_ranks(ranks, fn, calls, streams=None):
+def both_ranks(ranks, fn, calls):
     """µs per call of ``fn(r)`` (``r`` the rank index): each rank's batch in its stream context, the
     mean of the ranks."""
     current = torch.cuda.current_stream()
-    streams = streams or [rank.stream for rank in ranks]
+    streams = [rank.stream for rank in ranks]
     out = []
     for r, s in enumerate(streams):
         s.wait_stream(current)
@@ -97,24 +98,9 @@ def main():
                         None, *rp._params)
             tensors = sum(isinstance(v, torch.Tensor) for v in rps[0]._params)
             parts[f"{name}: launcher alone ({len(rps[0]._params)} params, {tensors} tensors)"] = launch
-        streams = {}
-        try:
-            import warnings
-
-            from tpcomm.bench.loopback import TrtllmLoopback
-
-            warnings.simplefilter("ignore")
-            lb = TrtllmLoopback(len(ranks), T, H)
-            trt_streams = [torch.cuda.Stream() for _ in ranks]
-            q2 = [torch.empty(T, H, device="cuda", dtype=torch.float8_e4m3fn) for _ in ranks]
-            for op in ("all_reduce", "fused", "fused_fp8"):
-                o = {"all_reduce": lambda r: (outs[r],), "fused": lambda r: (outs[r], res_outs[r]),
-                     "fused_fp8": lambda r: (q2[r], sc[r], res_outs[r])}[op]
-                parts[f"trtllm {op} (outputs given)"] = (lambda r, op=op, o=o: lb.call(r, op, xs[r], res, w, 1e-6,
-                                                                                       o(r)))
-                streams[f"trtllm {op} (outputs given)"] = trt_streams
-        except ImportError as e:
-            print("no FlashInfer:", e)
+        # FlashInfer's TRT-LLM calls, outputs given (host_loopback.py's, checked there), where installed
+        for name, (fn, _) in trtllm_ops(T, H, ranks, xs, res, w).items():
+            parts[name] = lambda r, fn=fn: fn(ranks[r])
         samples = {name: [] for name in parts}
         for _ in range(a.rounds):
             for name, fn in parts.items():
@@ -129,7 +115,7 @@ def main():
                         for rp, run in saved:
                             rp._run = run
                 else:
-                    samples[name].append(both_ranks(ranks, fn, a.calls, streams.get(name)))
+                    samples[name].append(both_ranks(ranks, fn, a.calls))
         add = statistics.median(samples["torch add_"])
         for name, values in samples.items():
             us = statistics.median(values)

@@ -38,32 +38,18 @@ def _bytes(t):
 
 def composite_us(ranks, plain, standalone, s, calls: int, replays: int) -> float:
     """µs per call of the fused bf16 call on every rank, then the standalone op on each rank's ``out``
-    (each on its rank's stream), ``calls`` times in one graph, median over ``replays`` replays. The
+    (each on its rank's stream), timed as ``graph_us`` (``tpcomm.bench.loopback.replayed_us``). The
     standalone ops come after every rank's fused call (they read their scale on the host when not
     capturing, which would hold a rank's stream while its fused kernel waits for the peers)."""
-    import statistics
-
+    from tpcomm.bench.loopback import replayed_us
     from tpcomm.loopback import run_ranks
 
-    def once():
-        outs = run_ranks(ranks, lambda rk: plain(rk.rank)[0])
-        run_ranks(ranks, lambda rk: standalone(outs[rk.rank], s))
+    def issue_calls(n):
+        for _ in range(n):
+            outs = run_ranks(ranks, lambda rk: plain(rk.rank)[0])
+            run_ranks(ranks, lambda rk: standalone(outs[rk.rank], s))
 
-    once()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            once()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
+    return replayed_us(issue_calls, calls, replays)
 
 
 def main():

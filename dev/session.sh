@@ -82,6 +82,16 @@ with_flashinfer() {
     PYTHONPATH=.:$site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_USE_CUDA_NORM=1 FLASHINFER_DISABLE_JIT=1 "$@"
 }
 
+# tpcomm demo --model llama and gemma on this GPU's loopback ranks, transformers from .whl-hf/ (carry
+# [".whl-hf"]: its wheels and its dependencies' for Python 3.12).
+model_demos() {
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl
+    for m in llama gemma; do
+        PYTHONPATH=.:$site timeout 150 python3 -m tpcomm demo --model $m --device cuda > $W/demo-$m.log 2>&1
+        echo "demo-$m rc=$?" >> $W/summary.txt; tail -4 $W/demo-$m.log >> $W/summary.txt
+    done
+}
+
 case "$1" in
 tests)
     # Every GPU test file, then decode timings of kernel variants in what time is left.
@@ -239,11 +249,7 @@ forms)
     # then the model demos on loopback ranks (carry [".whl-hf"]).
     timeout ${QUANT_S:-240} python3 benchmarks/quant_loopback.py --out $W/quant_loopback.jsonl > $W/quant_loopback.log 2>&1
     echo "quant_loopback rc=$?" >> $W/summary.txt
-    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl
-    for m in llama gemma; do
-        PYTHONPATH=.:$site timeout 150 python3 -m tpcomm demo --model $m --device cuda > $W/demo-$m.log 2>&1
-        echo "demo-$m rc=$?" >> $W/summary.txt; tail -4 $W/demo-$m.log >> $W/summary.txt
-    done ;;
+    model_demos ;;
 verify)
     # Every one-GPU test file at once, each within VERIFY_S seconds.
     one_gpu_tests ${VERIFY_S:-450} ;;
@@ -263,11 +269,7 @@ decode6)
         fi
     done ;;
 model)
-    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl
-    for m in llama gemma; do
-        PYTHONPATH=.:$site timeout 150 python3 -m tpcomm demo --model $m --device cuda > $W/demo-$m.log 2>&1
-        echo "demo-$m rc=$?" >> $W/summary.txt; tail -4 $W/demo-$m.log >> $W/summary.txt
-    done
+    model_demos
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py --durations=5 \
         > $W/loopback_tests.log 2>&1
     echo "loopback_tests rc=$?" >> $W/summary.txt; tail -3 $W/loopback_tests.log >> $W/summary.txt ;;

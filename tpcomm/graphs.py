@@ -46,6 +46,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .errors import TpcommError
+from .quant import QUANT_MODES
 
 
 class GraphCaptureError(TpcommError):
@@ -161,13 +162,9 @@ def capture_guard(*comms):
 
 #: What :func:`warmup` can run: the ops of :mod:`tpcomm.ops` (the FP8 forms with their defaults:
 #: e4m3fn, group size 128, row-major scales).
-WARMUP_OPS = ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm", "fused_add_rmsnorm_fp8_per_token",
-              "fused_add_rmsnorm_fp8_per_group", "fused_add_rmsnorm_fp8_per_group_ue8m0",
-              "fused_add_rmsnorm_fp8_static", "fused_add_rmsnorm_mxfp4", "fused_add_rmsnorm_nvfp4",
-              "all_gather", "reduce_scatter")
-#: The quantised forms among :data:`WARMUP_OPS`, and the ``quant`` each passes.
-_QUANT_WARMUPS = {f"fused_add_rmsnorm_{q}": q for q in ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0",
-                                                         "fp8_static", "mxfp4", "nvfp4")}
+#: The quantised forms among :data:`WARMUP_OPS` (one per ``quant`` form), and the ``quant`` each passes.
+_QUANT_WARMUPS = {f"fused_add_rmsnorm_{q}": q for q in QUANT_MODES}
+WARMUP_OPS = ("all_reduce", "fused_add_rmsnorm", "fused_rmsnorm", *_QUANT_WARMUPS, "all_gather", "reduce_scatter")
 
 
 def warmup(comm, shapes: Iterable[Sequence[int]], dtypes: Iterable[torch.dtype] = (torch.bfloat16,),

@@ -81,11 +81,18 @@ def graph_us(issue, ranks_streams, calls: int, replays: int) -> float:
         for s in ranks_streams:
             current.wait_stream(s)
 
-    all_ranks(2)
+    return replayed_us(all_ranks, calls, replays)
+
+
+def replayed_us(issue_calls, calls: int, replays: int) -> float:
+    """µs per call of ``issue_calls(n)`` (issue ``n`` calls of every rank): run eagerly with ``n = 2``,
+    then ``calls`` of them captured in one graph; the median over ``replays`` replays of a replay's time
+    divided by ``calls``."""
+    issue_calls(2)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        all_ranks(calls)
+        issue_calls(calls)
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
