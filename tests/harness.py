@@ -1,6 +1,6 @@
-"""Multi-rank test harness: a persistent pool of W spawned CPU rank processes.
+"""Multi-rank test harness: a persistent pool of W CPU rank processes.
 
-Starting a rank costs seconds (spawn, import torch and Triton, join a gloo group), so a pool of W ranks
+Starting a rank costs seconds (start a process, import Triton and tpcomm, join a gloo group), so a pool of W ranks
 is started once per world size and reused by every test. A test sends a module-level function and its
 arguments to every rank and gets back each rank's return value (or every failing rank's traceback):
 
@@ -21,7 +21,6 @@ handles, so a killed rank leaves nothing behind.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -97,7 +96,7 @@ def _rank_main(rank: int, world_size: int, port: int, tasks, results) -> None:
 
     try:
         init_rank(rank, world_size, "cpu", port)
-        import tpcomm  # noqa: F401  (after TRITON_INTERPRET=1, inherited from the parent)
+        import tpcomm  # noqa: F401  (after TRITON_INTERPRET=1: tpcomm.launch.start_rank set it first)
         ctx = RankContext(rank, world_size)
         results.put((None, rank, True, pickle.dumps("ready")))
     except BaseException:
@@ -122,20 +121,17 @@ class RankPool:
     """``world_size`` persistent CPU rank processes (gloo + Triton interpreter)."""
 
     def __init__(self, world_size: int):
-        from tpcomm.launch import _rank_environment, free_port
+        from tpcomm.launch import free_port, rank_context, rank_environment, start_rank
 
         self.world_size = world_size
         self.alive = False
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
-        with _rank_environment("cpu"):  # TRITON_INTERPRET=1, OMP_NUM_THREADS=1, inherited at spawn
-            self._procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, self._tasks[r],
-                                                                  self._results), daemon=True)
-                           for r in range(world_size)]
-            for p in self._procs:
-                p.start()
+        env = rank_environment("cpu")  # TRITON_INTERPRET=1, OMP_NUM_THREADS=1
+        self._procs = [start_rank(ctx, _rank_main, (r, world_size, port), env, (self._tasks[r], self._results))
+                       for r in range(world_size)]
         self._next_id = 0
         self.alive = True
         self._collect(None, START_TIMEOUT_S, "start-up")

@@ -1,4 +1,4 @@
-"""The CPU path's launch of an interpreted kernel without repeated language patching.
+"""The CPU path's launch of an interpreted kernel without the interpreter's repeated work.
 
 Problem: Triton's interpreter (``TRITON_INTERPRET=1``) swaps ``triton.language``'s builtins for NumPy
 versions when a kernel launch starts, and restores them when it ends. It does the same again at every
@@ -14,10 +14,13 @@ Mechanism: :func:`install` wraps the interpreter's ``_patch_lang`` and its launc
 brings another module is patched as before, and the launch's own restore undoes everything at its end,
 as it does without this. Outside a launch nothing changes. If the interpreter's internals are not the
 ones expected, :func:`install` leaves them as they are (the kernels then run as slowly as before).
+:func:`install` also turns off the overflow sanitiser while assertions are off and memoises the dtype
+map (docs/cpu.md, "Interpreter speed"): neither changes a result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 #: Language modules patched by the launch in progress (``id`` of the module objects), or None outside one.
@@ -73,4 +76,40 @@ def install() -> bool:
     _patch_lang._tpcomm = True
     interp._patch_lang = _patch_lang
     executor.__call__ = __call__
+    _skip_discarded_overflow_checks(interp)
+    _cache_numpy_dtypes(interp, tl)
     return True
+
+
+def _skip_discarded_overflow_checks(interp) -> None:
+    """Turn off the interpreter's integer-overflow sanitiser when its assertions are off: without
+    ``debug`` each checked ``+``, ``-`` and ``*`` still computes the check (casts to int64, the op again,
+    two comparisons) and then drops it, as ``device_assert`` does nothing; that was about a third of a
+    CPU rank's call. With ``debug`` on, the checks stay."""
+    builder = getattr(interp, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if (dataclasses.is_dataclass(options) and not getattr(options, "debug", True)
+            and getattr(options, "sanitize_overflow", False)):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def _cache_numpy_dtypes(interp, tl) -> None:
+    """Memoise the interpreter's Triton-to-NumPy dtype map, which builds its table at every call (tens
+    of thousands of calls per launch): the answer depends on the scalar type alone."""
+    original = getattr(interp, "_get_np_dtype", None)
+    if original is None or getattr(original, "_tpcomm", False):
+        return
+    cache: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return original(tt_dtype)
+        key = scalar.name
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = original(scalar)
+        return found
+
+    _get_np_dtype._tpcomm = True
+    interp._get_np_dtype = _get_np_dtype
