@@ -67,7 +67,7 @@ all_gpu_tests() {
 # The one-GPU test files (loopback ranks; the FP8 quant tests) side by side, each within $1 seconds.
 one_gpu_tests() {
     for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py \
-             loopback_quant_tests:tests/test_gpu_loopback_quant.py; do
+             loopback_quant_tests:tests/test_gpu_loopback_quant.py launch_tests:tests/test_launch.py; do
         (timeout $1 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
          echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
     done

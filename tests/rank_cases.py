@@ -603,6 +603,24 @@ def launch_identity(rank, world_size, tag):
             "threads": torch.get_num_threads(), "tag": tag, "pid": os.getpid()}
 
 
+def launch_environment(rank, world_size, names):
+    """The values of the variables ``names`` in a launched rank, and whether its kernels run under the
+    interpreter."""
+    from tpcomm.env import interpreter_enabled
+
+    return {n: os.environ.get(n) for n in names}, interpreter_enabled()
+
+
+def launch_cuda_rank(rank, world_size):
+    """An NCCL all-reduce of ``rank + 1`` on this rank's GPU, the rank's NVLS setting and whether its
+    kernels run under the interpreter."""
+    from tpcomm.env import interpreter_enabled
+
+    x = torch.full((4,), float(rank + 1), device="cuda")
+    dist.all_reduce(x)
+    return x.tolist(), os.environ.get("NCCL_NVLS_ENABLE"), interpreter_enabled(), torch.cuda.current_device()
+
+
 def launch_raise_on(rank, world_size, bad_rank, message):
     """Rank ``bad_rank`` raises ValueError(message); the others return their rank."""
     if rank == bad_rank:

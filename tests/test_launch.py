@@ -1,10 +1,11 @@
 """``tpcomm.launch`` (``tpcomm/launch.py``): rank processes, their set-up, failures and timeouts.
-Each launch spawns fresh processes (seconds each), so there are few of them."""
+Each launch starts fresh processes (a second or more each), so there are few of them."""
 
 import time
 
 import pytest
 import rank_cases
+import torch
 from numerics import Checks
 
 from tpcomm.launch import RankFailure, launch
@@ -84,3 +85,28 @@ def test_launch_bad_argument_types(world_size, args, word):
     """A string given as ``args`` would be split into characters: a TypeError names ``args`` first."""
     with pytest.raises(TypeError, match=word):
         launch(rank_cases.launch_sleep, world_size, "cpu", args=args)
+
+
+def test_each_launch_gives_its_ranks_the_environment_of_that_moment(monkeypatch):
+    """Ranks fork from a server started at the first launch (``rank_context``), yet each launch's ranks
+    see the launching process's variables as they are at that launch, set and unset."""
+    names = ("TPCOMM_TEST_MARK", "TPCOMM_TEST_GONE")
+    monkeypatch.setenv("TPCOMM_TEST_GONE", "here")
+    monkeypatch.setenv("TPCOMM_TEST_MARK", "first")
+    (first, interpreted), = launch(rank_cases.launch_environment, 1, "cpu", args=(names,), timeout_s=120)
+    monkeypatch.setenv("TPCOMM_TEST_MARK", "second")
+    monkeypatch.delenv("TPCOMM_TEST_GONE")
+    (second, _), = launch(rank_cases.launch_environment, 1, "cpu", args=(names,), timeout_s=120)
+    assert first == {"TPCOMM_TEST_MARK": "first", "TPCOMM_TEST_GONE": "here"}, first
+    assert second == {"TPCOMM_TEST_MARK": "second", "TPCOMM_TEST_GONE": None}, second
+    assert interpreted, "a CPU rank's kernels do not run under the interpreter"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_rank_after_a_cpu_launch():
+    """A CPU launch first (the fork server then starts with the CPU ranks' variables), then one CUDA
+    rank: NCCL works in it, its kernels are compiled (no interpreter) and NVLS is off."""
+    launch(rank_cases.launch_sleep, 1, "cpu", args=(0.0,), timeout_s=120)
+    (values, nvls, interpreted, device), = launch(rank_cases.launch_cuda_rank, 1, "cuda", timeout_s=300)
+    assert values == [1.0] * 4 and nvls == "0" and not interpreted and device == 0, (values, nvls, interpreted)
