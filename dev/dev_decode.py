@@ -6,7 +6,7 @@ variant runs in fresh rank processes so its patches apply before anything compil
 checked bit for bit against ``tpcomm.reference`` first. Not a published number (those come from
 ``tpcomm bench``): it picks which kernel change to keep.
 
-    PYTHONPATH=. python dev/dev_decode.py --variants base,acq_rel_finish,tl_sum [--out DIR]
+    PYTHONPATH=. python dev/dev_decode.py --variants base,warps8 [--out DIR]
 """
 import argparse
 import os

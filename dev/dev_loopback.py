@@ -7,7 +7,7 @@ epilogue), not what 2 GPUs take; use them to compare kernel variants on a one-GP
 ``dev_decode.py`` / ``tpcomm bench`` on several GPUs for real numbers. Each variant runs in a fresh
 process (its patches apply before anything compiles).
 
-    PYTHONPATH=. python dev/dev_loopback.py --variants base,no_pdl,tl_sum [--world 2] [--out DIR]
+    PYTHONPATH=. python dev/dev_loopback.py --variants base,no_pdl,warps8 [--world 2] [--out DIR]
 """
 import argparse
 import json

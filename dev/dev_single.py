@@ -9,9 +9,8 @@ the dispatch so the kernels run with ``WORLD = 1``.
 
     PYTHONPATH=. python dev/dev_single.py [--out DIR] [--variant NAME]
 
-``--variant`` patches a kernel helper or the row configuration before anything compiles (see
-``VARIANTS``), to time alternatives; a variant's outputs are checked like the rest (some variants are
-not exact on purpose: they bound what a change could save).
+``--variant`` sets another launch configuration before anything compiles (see ``VARIANTS``); its
+outputs are checked like the rest.
 """
 import argparse
 import importlib
@@ -23,51 +22,14 @@ import sys
 import torch
 import torch.distributed as dist
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dev_fused import graph_time  # noqa: E402
-
-from tpcomm.kernels.epilogue import SUM_REDUCE  # noqa: E402
-from tpcomm.kernels.quant import fp8_encode, row_amax  # noqa: E402
-
-
-@triton.jit
-def _q_rcp(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    return fp8_encode(v * recip, FP8, NATIVE_FP8)  # not exact: the floor of what a division can cost
-
-
-@triton.jit
-def _start_load(state_ptr, num_programs, PDL: tl.constexpr):
-    # the epoch by a plain load, no ticket: for the finish variants below, which count at the end
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    return tl.load(state_ptr, volatile=True), 0
-
-
-@triton.jit
-def _finish_none(state_ptr, epoch, ticket, num_programs):
-    pass
-
-
-@triton.jit
-def _tree_sum_tl(x):
-    return tl.sum(x, axis=0)
 
 
 def _patch(module: str, name: str, value):
     """Set ``name`` of the module ``module`` (``tpcomm.<module>``) to ``value``, before anything compiles."""
     setattr(importlib.import_module(f"tpcomm.{module}"), name, value)
-
-
-def _patch_finish(fn):
-    """Every kernel reads the epoch with a plain load and ends with ``fn``."""
-    from tpcomm.kernels import gather, lamport, one_shot, two_shot
-    for m in (gather, lamport, one_shot, two_shot):
-        m.finish_program = fn
-        m.start_program = _start_load
 
 
 def _patch_warps(n):
@@ -80,111 +42,14 @@ def _patch_warps(n):
     dispatch.row_config = with_warps
 
 
-def _patch_no_preload():
-    from tpcomm.kernels import lamport, one_shot
-    lamport.PRELOAD_EPILOGUE = one_shot.PRELOAD_EPILOGUE = tl.constexpr(False)
-
-
-@triton.jit
-def _finish_acq_rel(state_ptr, epoch, ticket, num_programs):
-    done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if done == num_programs - 1:
-        tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state_ptr, epoch + 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _store_fp8_wide(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
-    tl.store(q_ptr + cols, code, mask=mask)  # before the contiguity hint: 16 bytes a thread, another layout
-
-
-@triton.jit
-def _finish_counted(state_ptr, epoch, ticket, num_programs):
-    done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")  # one program counted too
-    if done == num_programs - 1:
-        tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _finish_at_end(state_ptr, epoch, ticket, num_programs):
-    # the counter bumped at the end, the last program advancing the epoch (one program: a plain store)
-    if num_programs == 1:
-        tl.store(state_ptr, epoch + 1)
-    else:
-        done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed", scope="gpu")
-        if done == num_programs - 1:
-            tl.atomic_xchg(state_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(state_ptr, epoch + 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _scale_one(amax, FP8: tl.constexpr):
-    # not exact: scale 1 (the amax, left unused, is compiled out), no division for the scale
-    return tl.full(amax.shape, 1.0, tl.float32)
-
-
-@triton.jit
-def _fp8_encode_clamped(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    c = tl.minimum(tl.maximum(x, -448.0), 448.0)  # the explicit clamp before satfinite, as before
-    code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # e4m3fn, native only
-    return tl.where(x != x, 0x7F, code).to(tl.uint8)
-
-
-@triton.jit
-def _quantize_selects(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    # as before: the sign of a zero quotient kept by a select, every byte through fp8_encode's NaN select
-    if fast:
-        q0 = v * recip
-        q = tl.fma(tl.fma(-q0, scale, v), recip, q0)
-        q = tl.where(q0 == 0.0, q0, q)
-    else:
-        q = tl.math.div_rn(v, scale)
-    return fp8_encode(q, FP8, NATIVE_FP8)
-
-
-@triton.jit
-def _e4m3_bytes_to(x):
-    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # Triton's own conversion: pairs unpacked, repacked
-
-
-@triton.jit
-def _amax_from_out(p_max, inv, first, o, mask, DTYPE: tl.constexpr):
-    return row_amax(o, mask)  # as before: reduced over out after the norm (p_max, unused, is compiled out)
-
-
-@triton.jit
-def _tree_sum_levels(x):
-    for _ in tl.static_range(14):  # every level summed where it lies, as before the gather
-        if x.shape[0] > 1:
-            x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
-    return tl.sum(x, axis=0)
-
-
-#: ``--variant`` name -> what it patches before anything compiles (timing only; some are not exact).
+#: ``--variant`` name -> the launch configuration it sets before anything compiles. The kernel variants
+#: measured against the kernels (docs/design.md) are deleted once decided; git keeps them.
 VARIANTS = {
-    "no_preload": _patch_no_preload,
-    "acq_rel_finish": lambda: _patch_finish(_finish_acq_rel),
-    "rcp": lambda: _patch("kernels.epilogue", "quantize", _q_rcp),
-    "no_finish": lambda: _patch_finish(_finish_none),  # one rank only: peers would see stale epochs
-    # layout-dependent order (not exact): bounds what the pairwise sum costs
-    "tl_sum": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_tl),
     "warps8": lambda: _patch_warps(8),
     "warps4": lambda: _patch_warps(4),
     "warps32": lambda: _patch_warps(32),  # 8192-wide tiles: 64 registers a thread at most, no spill (sm_90 build)
     "ar_rows_2048": lambda: _patch("dispatch", "ALL_REDUCE_ROW", 2048),
     "ar_rows_1024": lambda: _patch("dispatch", "ALL_REDUCE_ROW", 1024),
-    "store_fp8_wide": lambda: _patch("kernels.epilogue", "store_fp8", _store_fp8_wide),
-    # Lamport reads its tiles again after the poll, as before
-    "lamport_reload": lambda: _patch("kernels.lamport", "SUM_GIVEN", SUM_REDUCE),
-    "finish_counted": lambda: _patch_finish(_finish_counted),
-    "finish_at_end": lambda: _patch_finish(_finish_at_end),
-    "scale_one": lambda: _patch("kernels.epilogue", "fp8_scale", _scale_one),
-    "clamp": lambda: _patch("kernels.quant", "fp8_encode", _fp8_encode_clamped),
-    "tree_levels": lambda: _patch("kernels.epilogue", "tree_sum", _tree_sum_levels),
-    "fp8_selects": lambda: _patch("kernels.epilogue", "quantize", _quantize_selects),
-    "amax_from_out": lambda: _patch("kernels.epilogue", "tile_out_amax", _amax_from_out),
-    "fp8_unpacked": lambda: _patch("kernels.quant", "e4m3_bytes", _e4m3_bytes_to),
 }
 
 

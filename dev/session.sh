@@ -17,7 +17,7 @@
 #                                        # against: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`)
 #   bash dev/session.sh decode3   # ONE GPU: where the host time of a repeated call goes
 #                                        # (benchmarks/host_profile.py), kernel variants (VARIANTS, default
-#                                        # base,finish_at_end), then the loopback and FP8 GPU tests
+#                                        # base,no_pdl), then the loopback and FP8 GPU tests
 #   bash dev/session.sh decode4   # ONE GPU (carry [".whl", ".old"]): the replay test, host time per
 #                                        # call, then bench --loopback (1-4096 tokens) of this tree and of .old/
 #   bash dev/session.sh decode5   # ONE GPU (carry [".old2"]): the loopback and FP8 GPU tests, then the
@@ -96,7 +96,7 @@ case "$1" in
 tests)
     # Every GPU test file, then decode timings of kernel variants in what time is left.
     all_gpu_tests 330 90
-    timeout ${DECODE_S:-100} python3 dev/dev_decode.py --variants ${VARIANTS:-base,tl_sum} --out $W > $W/dev_decode.log 2>&1
+    timeout ${DECODE_S:-100} python3 dev/dev_decode.py --variants ${VARIANTS:-base,warps8} --out $W > $W/dev_decode.log 2>&1
     echo "decode rc=$?" >> $W/summary.txt ;;
 sweep)
     timeout 240 python3 -m tpcomm soak --steps 10000 --device cuda --seed 0 > $W/soak10000.log 2>&1
@@ -176,7 +176,7 @@ decode1)
 decode3)
     timeout 80 python3 benchmarks/host_profile.py > $W/host_profile.log 2>&1
     echo "host_profile rc=$?" >> $W/summary.txt
-    timeout ${DECODE_S:-200} python3 dev/dev_loopback.py --variants ${VARIANTS:-base,finish_at_end} --replays 20 \
+    timeout ${DECODE_S:-200} python3 dev/dev_loopback.py --variants ${VARIANTS:-base,no_pdl} --replays 20 \
         --out $W > $W/dev_loopback.log 2>&1
     echo "dev_loopback rc=$?" >> $W/summary.txt
     one_gpu_tests 220 ;;

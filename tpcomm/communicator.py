@@ -228,8 +228,7 @@ class Communicator:
         if self.env.max_programs is not None:
             return self.env.max_programs
         if self.device.type == "cuda":
-            # Two programs per SM: on 2 H200s the one-shot fused call at 4096 x 6144 bf16 took 228 us with
-            # 264 programs against 252 us with 132 (docs/data/dev_fused_2xH200_run2.log).
+            # Two programs per SM (docs/design.md, "Two programs per SM").
             return 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
         return 4
 

@@ -60,11 +60,8 @@ class RowConfig:
     Attributes:
         block_h: tile width (a power of two, >= 16).
         num_tiles: tiles per row, ``ceil(hidden / block_h)``.
-        num_warps: 4 for tiles up to 1024 elements, 8 up to 2048, 16 from 4096. Source: 2 H200s, bf16,
-            CUDA graph, fused Lamport at hidden 4096: 6.3 / 5.8 / 7.1 / 11.9 us at 1 / 16 / 64 / 256 tokens
-            with 16 warps against 6.4 / 7.7 / 8.9 / 13.1 with 8 and 8.4 / 9.4 / 10.3 / 15.5 with 4; at
-            hidden 6144 (tile 8192) 16 and 8 warps were within run-to-run noise
-            (docs/data/dev_warps_h*_2xH200.log). Two-shot runs rows of one tile of 4096+ elements with
+        num_warps: 4 for tiles up to 1024 elements, 8 up to 2048, 16 from 4096 (docs/design.md, "Warps
+            per tile"). Two-shot runs rows of one tile of 4096+ elements with
             8 warps and twice the programs (:func:`row_config`). The warps never change a bit: the
             norm's sum is taken by pairs whatever the layout (``kernels/epilogue.tree_sum``), and the
             amax is a max.
@@ -91,15 +88,8 @@ def row_config(hidden: int, max_programs: int, two_shot: bool = False,
     With ``two_shot``, rows of one tile of 4096 elements or more (hidden 2049-8192, and the flat
     all-reduce's rows) run 8 warps instead of 16, and up to ``factor`` times ``max_programs`` programs
     (twice by default: as many warps in flight; ``Workspace.pad_programs`` has their flags; loopback
-    ranks take 1). Rows of two tiles or more keep 16 warps: with
-    8, ptxas spills 0.7-1.6 KB per thread there against 0.1-0.3 KB with 16 (``python
-    benchmarks/compile_sm90.py --regs``, Triton 3.9), and that case was not timed on GPUs.
-    Source: 2 H200s, bf16, CUDA graphs, ``dev/dev_large.py``
-    (docs/data/run-2xH200-session5/dev_large.log): fused two-shot at 1024 / 4096 / 16384 x 6144 took
-    58.9 / 193.8 / 762.6 us against 64.1 / 226.1 / 862.2 with 16 warps and 264 programs, fused FP8
-    64.1 / 217.3 / 855.2 against 75.0 / 260.4 / 993.8, the flat all-reduce of 16 / 64 / 192 MiB
-    56.8 / 208.2 / 615.1 against 59.6 / 214.6 / 641.6; 528 programs of 16 warps were slower than both
-    (239.2 us at 4096 tokens). Lamport and one-shot keep 16 warps (decode, above).
+    ranks take 1). Rows of two tiles or more keep 16 warps (with 8, ptxas spills). Lamport and one-shot
+    keep 16 warps. Measurements: docs/design.md, "Two-shot: 8 warps and twice the programs".
     """
     if hidden < 1:
         raise ValueError(f"row_config: hidden must be >= 1, got {hidden}")
@@ -200,23 +190,9 @@ def load_table(path: str) -> CrossoverTable:
     return CrossoverTable.from_json(text)
 
 
-#: Defaults, measured on 2 H200s (NV18), bf16, CUDA graphs, by ``tpcomm tune --quick`` (hidden 6144 for
-#: the fused op): docs/data/run-2xH200-final/tune.log. Lamport is fastest up to its 4 MiB buffers for
-#: both ops (the all-reduce at 4 MiB: 20.5 us against 22.3 one-shot); two-shot first beats one-shot by
-#: more than the noise margin at 16 MiB for the all-reduce (59.7 against 63.4 us) and at 24 MiB for the
-#: fused op, where 12 MiB was a tie (65.8 against 66.3 us); both are set at the size where they tie or
-#: win. The fused op's two-shot threshold was moved down to 4 MiB once two-shot ran 8-warp programs
-#: (``row_config``): the same tune then measured two-shot 10% faster than one-shot at 6 MiB (31.6
-#: against 34.9 us) and 7% at 12 MiB, a tie at 4 MiB (25.3 against 25.1), while Lamport still won at 3 and
-#: 4 MiB (docs/data/run-2xH200-session5/tune_w2.log; the all-reduce's picks did not change).
-#: World size 4, measured the same way on 4 H200s (docs/data/run-4xH200-session5/first-call/tune_w4.log):
-#: one-shot's bytes grow with W - 1 and two-shot's do not, so every crossover moves down. All-reduce:
-#: Lamport fastest up to 1 MiB (16.7 us against 19.9 one-shot), two-shot from 2 MiB (27.3 against 31.6
-#: Lamport). Fused at hidden 6144: Lamport wins at 1 token only (11.0 against 11.6 us; one-shot is
-#: 5-9% faster at 16 and 64 tokens), so it is kept up to 16 KiB, one token up to hidden 8192; two-shot
-#: from 3 MiB (39.7 against 46.0 Lamport, 256 tokens). These 4-rank numbers were taken with two-shot's
-#: earlier 16-warp programs (two-shot only got faster since; not re-measured on 4 GPUs).
-#: Three ranks use the 2-rank entries, five to seven and eight the 4-rank ones (no 8-GPU measurement).
+#: Defaults, measured on 2 H200s (NV18) and on 4, bf16, CUDA graphs, by ``tpcomm tune --quick``: each
+#: threshold is set where two algorithms tie or the next one wins (docs/design.md, "Crossover defaults",
+#: gives each measurement). Three ranks use the 2-rank entries, five to eight the 4-rank ones.
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
 _TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-session5/tune_w2.log"
 _TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-session5/first-call/tune_w4.log"

@@ -66,10 +66,6 @@ SUM_REDUCE = tl.constexpr(0)
 SUM_LOAD = tl.constexpr(1)
 SUM_GIVEN = tl.constexpr(2)
 
-#: Load the weight and the first row's residual before the wait (one-tile rows of one-shot and Lamport,
-#: :func:`preload_row`): a constant, so ``dev/dev_single.py`` can time the kernels without it.
-PRELOAD_EPILOGUE = tl.constexpr(True)
-
 # Triton's interpreter (3.9) truncates float32 -> bfloat16 (and mangles subnormals) whatever rounding
 # is asked for; under it, bf16 outputs are rounded to nearest-even on the bits instead.
 _SOFT_BF16: tl.constexpr = tl.constexpr(interpreter_enabled())
@@ -171,9 +167,7 @@ def tree_sum(x):
     exchange through shared memory), so the last levels are warp shuffles: summed where they lay, each
     level whose pairs sit in different warps would take its own exchange and barriers (7 barriers in
     all for 8192 lanes over 16 warps against 1 in a kernel of the sum alone, sm_90 build). Moving values
-    changes no bit. A fused Lamport call of 1 / 16 / 64 x 6144 bf16 took 4.14 / 5.39 / 15.34 µs against
-    4.49 / 5.90 / 17.36 with every level summed where it lay (loopback ranks on one H200,
-    ``dev/dev_loopback.py --variants base,tree_levels``, docs/history/benchmarks-to-2026-12-02.md)."""
+    changes no bit (docs/design.md, "The norm's sum")."""
     for _ in tl.static_range(14):  # up to 2**14 lanes (MAX_BLOCK_H is 8192)
         if x.shape[0] > _WARP_LANES:
             x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
@@ -260,10 +254,8 @@ def out_amax(p_max, inv, DTYPE: tl.constexpr):
 def tile_out_amax(p_max, inv, first, o, mask, DTYPE: tl.constexpr):
     """``max |out|`` of a row of one tile: :func:`out_amax` of ``p_max`` where ``first``
     (:func:`weight_first`), else a reduction over the tile ``o`` of ``out`` itself (float32, masked
-    lanes ignored). With that reduction every time instead (after the norm, on the path to the first
-    byte), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.78 / 6.11 / 17.81 µs against 4.64 / 5.89 /
-    17.03 for Lamport, 4.67 / 5.75 / 13.01 against 4.73 / 5.64 / 12.58 for one-shot (loopback ranks on
-    one H200, ``dev/dev_loopback.py --variants base,amax_from_out``, docs/history/benchmarks-to-2026-12-02.md)."""
+    lanes ignored): the reduction stays off the path to the first byte where it can (docs/design.md,
+    "The FP8 amax")."""
     if first:
         amax = out_amax(p_max, inv, DTYPE)
     else:

@@ -39,7 +39,6 @@ import triton.language as tl
 
 from .epilogue import (
     NO_QUANT,
-    PRELOAD_EPILOGUE,
     SUM_GIVEN,
     SUM_REDUCE,
     no_quant_args,
@@ -233,7 +232,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                 tl.store(base_ptr(bases, buf_table_ptr, q, tl.int64, WORLD) + tag_idx + rank, tag)
 
     # The first row's residual and the weight, loaded now so that their latency hides under the wait.
-    PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
+    PRELOAD: tl.constexpr = NORM and NUM_TILES == 1
     SUM_FROM: tl.constexpr = SUM_GIVEN if VECTORS else SUM_REDUCE
     if PRELOAD:
         res_pre, w_pre = preload_row(res_ptr + pid * H, w_ptr, pid * H, numel, H, BLOCK_H, HAS_RESIDUAL)

@@ -23,7 +23,7 @@ crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/hist
 import triton
 import triton.language as tl
 
-from .epilogue import NO_QUANT, PRELOAD_EPILOGUE, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
+from .epilogue import NO_QUANT, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .launch import KernelCall
 from .sync import (
     base_ptr,
@@ -73,7 +73,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                     tl.store(dst + dst_off + cols, v, mask=mask)
 
     # The first row's residual and the weight, loaded now so that their latency hides under the wait.
-    PRELOAD: tl.constexpr = PRELOAD_EPILOGUE and NORM and NUM_TILES == 1
+    PRELOAD: tl.constexpr = NORM and NUM_TILES == 1
     if PRELOAD:
         res_pre, w_pre = preload_row(res_ptr + pid * H, w_ptr, pid * H, numel, H, BLOCK_H, HAS_RESIDUAL)
     else:

@@ -29,9 +29,8 @@ conversion for e4m3fn instead. Triton (3.6 on an H200, 3.9 for sm_90) emits
 ``cvt.rn.satfinite.e4m3x2.f32``: nearest-even, +-Inf and out-of-range values to +-448 (PTX's
 ``.satfinite``), so no clamp is needed around it; the NaN byte is made explicit (a NaN's sign bit could
 otherwise give 0xFF). Both give the same byte for all 2^32 float32 inputs (``tests/test_quant.py``, GPU),
-and the native one is faster: a standalone per-token quant of 4096 x 7168 bf16 took 58 us native against
-94 us soft (eager, median). Bytes are returned as ``uint8``: launchers pass a ``uint8``
-view of the FP8 output.
+and the native one is faster (docs/design.md, "The hardware conversion"). Bytes are returned as
+``uint8``: launchers pass a ``uint8`` view of the FP8 output.
 
 Tiling: a row of up to ``BLOCK_H`` elements is one tile; wider rows take ``NUM_TILES`` tiles
 (:func:`tpcomm.dispatch.row_config`). Per-token: a first pass finds amax over every tile, a second
@@ -182,9 +181,8 @@ def fp8_encode(x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
 
     ``NATIVE_FP8`` (e4m3fn only; set it only on NVIDIA GPUs with FP8 conversions, sm_89+) uses the
     hardware conversion, which saturates by itself (see the module docstring), and the canonical NaN
-    byte; otherwise :func:`fp8_encode_soft`. Same bytes. An explicit clamp before the conversion cost
-    0.12-0.18 µs of a fused FP8 call of 1-16 x 6144 bf16 and 0.46-0.51 µs at 64 tokens (loopback ranks
-    on one H200, ``dev/dev_loopback.py --variants base,clamp``, docs/history/benchmarks-to-2026-12-02.md).
+    byte; otherwise :func:`fp8_encode_soft`. Same bytes, with no clamp (docs/design.md, "No clamp
+    before the conversion").
     """
     if NATIVE_FP8 and FP8 == tl.float8e4nv:
         code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -238,9 +236,8 @@ def divide(v, scale, recip, fast):
     per lane), for ``|v| <= amax`` of the row or group that gave ``scale`` (what every caller divides).
 
     A correctly rounded division is a long instruction sequence per element; it made the FP8 epilogue
-    cost about half of the whole fused kernel (one H200, group of one rank, 6144 x 4096 bf16: 74 us
-    without FP8, 114 us with, 83 us with ``v * (1 / scale)``; ``dev/dev_single.py``,
-    ``docs/data/dev_single_1xH200/``). With ``fast`` (a scalar; see :func:`token_division`) the
+    cost about half of the whole fused kernel (docs/design.md, "The fast division"). With ``fast`` (a
+    scalar; see :func:`token_division`) the
     quotient is instead :func:`fast_divide`'s: one multiply and two FMAs per element. The remainder
     ``v - q0 * scale`` is exact unless it underflows, which the fast path's ``scale >= 2^-90`` rules
     out for every quotient of at least 2^-12; smaller quotients may be one float32 ulp off but are
@@ -266,11 +263,8 @@ def e4m3_bytes(x):
     unpacks every pair into single bytes and packs them again for the store: per 16 elements, the same 8
     conversions plus 26 instructions that unpack and repack, against 3 moves here. ``cvt ... d, a, b`` puts ``a`` in
     the upper half of ``d``, so the elements
-    are given in reverse; the first element of four is the lowest byte, as Triton packs them. A fused
-    FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.65 / 5.98 / 17.45 µs against 4.70 / 6.05 / 17.43 with
-    Triton's conversion for Lamport, 4.63 / 5.85 / 12.69 against 4.72 / 5.80 / 13.02 for one-shot
-    (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,fp8_unpacked``,
-    docs/history/benchmarks-to-2026-12-02.md).
+    are given in reverse; the first element of four is the lowest byte, as Triton packs them
+    (docs/design.md, "Packed conversions").
     """
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
@@ -287,11 +281,7 @@ def quantize(v, scale, recip, fast, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr)
     On the fast path (``fast``: a finite scale of at least 2^-90, see :func:`token_division`) every
     quotient is finite, since ``|v| <= amax`` and amax is finite, so the native conversion needs no
     NaN byte fixed up (:func:`e4m3_bytes`). NaN and Inf rows (and tiny scales) take ``div_rn`` and the
-    full :func:`fp8_encode`. With the NaN select on every byte and a select for the sign of a zero
-    quotient (before :func:`fast_divide`), a fused FP8 call of 1 / 16 / 64 x 6144 bf16 took 4.93 / 6.38 /
-    18.62 µs against 4.61 / 5.97 / 17.47 for Lamport, 5.05 / 6.33 / 14.66 against 4.68 / 5.86 / 12.89 for
-    one-shot (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,fp8_selects``,
-    docs/history/benchmarks-to-2026-12-02.md; both with Triton's own conversion, before :func:`e4m3_bytes`).
+    full :func:`fp8_encode` (docs/design.md, "No selects on the fast path").
     """
     if fast:
         q = fast_divide(v, scale, recip)
@@ -314,10 +304,8 @@ def store_fp8(q_ptr, cols, code, mask, SRC_BITS: tl.constexpr):
     thread), so the compiler moves the tiles between the two layouts through shared memory: in the
     fused Lamport kernel at hidden 6144 bf16, four layout conversions and twelve more barriers
     (``benchmarks/compile_sm90.py``'s sm_90 build of it). The contiguity hint makes the byte store take
-    the source's layout instead; it changes no byte. A fused FP8 call of 1 / 16 x 6144 bf16 took 5.88 /
-    6.73 µs against 6.59 / 7.49 without it for Lamport, 5.87 / 6.54 against 6.20 / 6.97 for one-shot
-    (loopback ranks on one H200, ``dev/dev_loopback.py --variants base,store_fp8_wide``,
-    docs/history/benchmarks-to-2026-12-02.md).
+    the source's layout instead; it changes no byte (docs/design.md, "FP8 stores in the source's
+    layout").
     """
     tl.store(tl.max_contiguous(q_ptr + cols, 128 // SRC_BITS), code, mask=mask)
 
