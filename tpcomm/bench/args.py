@@ -38,6 +38,13 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", default=None, metavar="PATH",
                    help="results file (default out/bench[-quick]-w<world>.json); the PNGs "
                         "(<stem>-<op>-<mode>.png) go beside it")
+    b.add_argument("--results", default=None, metavar="PATH",
+                   help="also append the run's rows, with its machine, commit and versions, to this results "
+                        "file (JSON lines; tpcomm.bench.results)")
+    b.add_argument("--render", default=None, metavar="PATH",
+                   help="print the tables of one run of this results file and exit (no GPU): the latest, "
+                        "or the one --run names")
+    b.add_argument("--run", default=None, help="with --render: a run id, or its date or commit")
     b.add_argument("--graph-calls", type=positive_int, default=20,
                    help="most calls per graph (fewer for messages over 50 MiB, see set_bytes)")
     b.add_argument("--replays", type=positive_int, default=20, help="most timed replays per row")
@@ -52,6 +59,15 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``tpcomm bench`` from parsed arguments; returns the exit status."""
+    if args.render:
+        from .results import load, render
+
+        try:
+            print(render(load(args.render), args.run))
+        except (OSError, ValueError) as e:
+            print(f"tpcomm bench --render: {e}")
+            return 2
+        return 0
     if args.loopback:
         from .loopback import main as loopback_main
 
@@ -61,11 +77,12 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         return loopback_main(worlds[0], tuple(args.hidden or (4096, 6144, 8192)),
                              tuple(args.tokens or (1, 16, 64, 256, 1024, 4096)), args.json,
-                             replays=args.replays, eps=args.eps, max_programs=args.programs)
+                             replays=args.replays, eps=args.eps, max_programs=args.programs,
+                             results_path=args.results)
     from .command import main
 
     modes = ("eager",) if args.eager else args.modes
     return main(world_size=args.world, ops=args.ops, hiddens=args.hidden, dtypes=args.dtype,
                 tokens=args.tokens, modes=modes, contenders=args.contenders, quick=args.quick,
                 json_path=args.json, graph_calls=args.graph_calls, replays=args.replays, eps=args.eps,
-                estimate_only=args.estimate)
+                estimate_only=args.estimate, results_path=args.results)

@@ -32,10 +32,12 @@ def gpu_count() -> int:
 def main(world_size: int | tuple[int, ...] | None = None, ops: tuple[str, ...] | None = None, hiddens=None,
          dtypes=None, tokens=None, modes=None, contenders: tuple[str, ...] | None = None, quick: bool = False,
          json_path: str | None = None, graph_calls: int = 20, replays: int = 20, eps: float = 1e-6,
+         results_path: str | None = None,
          estimate_only: bool = False) -> int:
     """Run the sweep for each world size; print the tables; write JSON (``json_path``, default
     ``out/bench[-quick]-w<W>.json``; with several world sizes ``-w<W>`` is added to a given path) and one
-    PNG per op and mode beside it.
+    PNG per op and mode beside it; with ``results_path``, also append the run's rows to that results
+    file (:mod:`tpcomm.bench.results`).
 
     Arguments left None take :class:`~tpcomm.bench.config.BenchConfig`'s defaults (the full sweep), or
     the ``--quick`` shapes when ``quick``; ``world_size`` (an int or several) defaults to every visible
@@ -90,11 +92,11 @@ def main(world_size: int | tuple[int, ...] | None = None, ops: tuple[str, ...] |
         if json_path and len(worlds) > 1:
             stem, ext = os.path.splitext(json_path)
             path = f"{stem}-w{W}{ext or '.json'}"
-        status = max(status, _run(cfg, path, est))
+        status = max(status, _run(cfg, path, est, results_path))
     return status
 
 
-def _run(cfg: BenchConfig, json_path: str, est: float) -> int:
+def _run(cfg: BenchConfig, json_path: str, est: float, results_path: str | None = None) -> int:
     from ..launch import RankFailure, launch
     from .plot import plot_files
     from .rank import run_rank
@@ -116,6 +118,11 @@ def _run(cfg: BenchConfig, json_path: str, est: float) -> int:
           f"PDL {'on' if env.get('pdl') else 'off'}; {env['wall_s']:.0f} s (estimated {est:.0f} s)")
     print(format_report(doc))
     write_json(doc, json_path)
+    if results_path:
+        from . import results
+
+        results.append(results.sweep_rows(doc), results_path)
+        print(f"appended the run to {results_path}")
     stem = os.path.splitext(json_path)[0]
     pngs, why = plot_files(doc, stem)
     print(f"\nwrote {json_path}" + (f" and {len(pngs)} plots ({stem}-<op>-<mode>.png)" if why is None

@@ -248,11 +248,32 @@ def _run_child(library: str, W: int, H: int, tokens, calls: int, replays: int, e
     return json.loads(lines[-1][5:]), ""
 
 
+def _version(module: str) -> str | None:
+    """``module.__version__``, or None where it cannot be imported."""
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
+
+
+def _commit() -> str | None:
+    """tpcomm's commit (short), when it runs from a git checkout."""
+    import subprocess
+
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], text=True,
+                              capture_output=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
 def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256, 1024, 4096),
          json_path: str | None = None, calls: int = 50, replays: int = 20, eps: float = 1e-6,
-         max_programs: int | None = None) -> int:
+         max_programs: int | None = None, results_path: str | None = None) -> int:
     """Run both libraries at every hidden size; print a table of µs per call and tpcomm / TRT-LLM; write
-    JSON. tpcomm runs one child for the token counts up to 256 and one per larger count, so that a
+    JSON (and, with ``results_path``, append its rows to that results file: :mod:`tpcomm.bench.results`).
+    tpcomm runs one child for the token counts up to 256 and one per larger count, so that a
     failure loses only its own rows. ``max_programs``: tpcomm's loopback grid cap (None: the default
     of :func:`tpcomm.loopback.loopback_group`). Returns 1 when a tpcomm output was wrong or a tpcomm
     child failed, else 0 (FlashInfer missing or failing is reported)."""
@@ -294,12 +315,18 @@ def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256
     for r in rows:
         if not r["checked"]:
             print(f"FAIL {r['library']} {r['op']} {r['tokens']}x{r['hidden']}: wrong output, not timed")
+    doc = dict(world=world_size, calls=calls, replays=replays, torch=torch.__version__, triton=_version("triton"),
+               flashinfer=_version("flashinfer"), commit=_commit(), max_programs=max_programs,
+               device=torch.cuda.get_device_name(), rows=rows, notes=notes)
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
-            json.dump(dict(world=world_size, calls=calls, replays=replays, torch=torch.__version__,
-                           max_programs=max_programs,
-                           device=torch.cuda.get_device_name(), rows=rows, notes=notes), f, indent=1)
+            json.dump(doc, f, indent=1)
+    if results_path:
+        from . import results
+
+        results.append(results.loopback_rows(doc), results_path)
+        print(f"appended the run to {results_path}")
     return 1 if bad or any("tpcomm at" in n for n in notes) else 0
 
 
