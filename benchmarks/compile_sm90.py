@@ -85,7 +85,8 @@ def epi_types(dt):
             "half_stride": "i32", "tag_off": "i32", "width": "i32", "out_rank_stride": "i32"}
 
 
-def main():
+def variants() -> list[tuple]:
+    """Every variant to build: ``(label fields, build arguments)``, in the order they are printed."""
     quick = "--quick" in sys.argv  # one dtype, two tile sizes: every kernel and branch, fewer variants
     results = []
     for dt in (("bf16",) if quick else ("bf16", "fp32")):
@@ -100,11 +101,11 @@ def main():
                     t = epi_types(dt)
                     warps = dispatch.row_config(block, 1).num_warps  # as the launchers pick them
                     results.append(("one_shot", dt, block, tiles, quant, norm,
-                                    build(one_shot._one_shot_kernel, t, ce, warps)))
+                                    job(one_shot._one_shot_kernel, t, ce, warps)))
                     if dt == "bf16":
                         vectors = tiles == 1  # as lamport_call picks them (H a multiple of 8)
                         results.append(("lamport", dt, block, tiles, quant, norm,
-                                        build(lamport._lamport_kernel, t,
+                                        job(lamport._lamport_kernel, t,
                                               dict(ce, VECTORS=vectors,
                                                    REARM_IN_SPIN=vectors and block // 8 >= 32 * warps,
                                                    PREFETCH=vectors and norm and res), warps)))
@@ -112,10 +113,10 @@ def main():
                         if scatter and (norm or quant):
                             continue
                         results.append(("two_shot", dt, block, tiles, quant, norm,
-                                        build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter),
+                                        job(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=scatter),
                                               dispatch.row_config(block, 1, two_shot=True).num_warps)))
         results.append(("all_gather", dt, 4096, 1, 0, False,
-                        build(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1,
+                        job(gather._all_gather_kernel, epi_types(dt), {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1,
                                                                          "PDL": True})))
     # the forms with an input scale or FP4 bytes (4 static FP8, 5 MXFP4, 6 NVFP4; GROUP 0: swizzled
     # scales), fused with a residual, rows of one tile
@@ -124,23 +125,51 @@ def main():
               "QUANT": quant, "STORE_OUT": False, "FP8": tl.float8e4nv, "NATIVE_FP8": True, "GROUP": group,
               "PDL": True}
         t, warps = epi_types("bf16"), dispatch.row_config(8192, 1).num_warps
-        results.append(("one_shot", "bf16", 8192, 1, quant, True, build(one_shot._one_shot_kernel, t, ce, warps)))
+        results.append(("one_shot", "bf16", 8192, 1, quant, True, job(one_shot._one_shot_kernel, t, ce, warps)))
         results.append(("lamport", "bf16", 8192, 1, quant, True,
-                        build(lamport._lamport_kernel, t, dict(ce, VECTORS=True, REARM_IN_SPIN=8192 // 8 >= 32 * warps,
+                        job(lamport._lamport_kernel, t, dict(ce, VECTORS=True, REARM_IN_SPIN=8192 // 8 >= 32 * warps,
                                                                PREFETCH=True), warps)))
         results.append(("two_shot", "bf16", 8192, 1, quant, True,
-                        build(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=False),
+                        job(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=False),
                               dispatch.row_config(8192, 1, two_shot=True).num_warps)))
     # without programmatic dependent launch (TPCOMM_PDL=0, GPUs before sm_90): the same kernels, PDL off
     results.append(("one_shot no PDL", "bf16", 1024, 1, 0, True,
-                    build(one_shot._one_shot_kernel, epi_types("bf16"),
+                    job(one_shot._one_shot_kernel, epi_types("bf16"),
                           {"WORLD": 2, "BLOCK_H": 1024, "NUM_TILES": 1, "NORM": True, "HAS_RESIDUAL": True,
                            "GEMMA": False, "QUANT": 0, "STORE_OUT": True, "FP8": tl.float8e4nv,
                            "NATIVE_FP8": True, "GROUP": 1, "PDL": False}, 4, pdl=False)))
     # every other dtype is gathered as bytes
     results.append(("all_gather", "u8", 4096, 1, 0, False,
-                    build(gather._all_gather_kernel, dict(epi_types("u8"), x_ptr="*u8", out_ptr="*u8"),
+                    job(gather._all_gather_kernel, dict(epi_types("u8"), x_ptr="*u8", out_ptr="*u8"),
                           {"WORLD": 2, "BLOCK": 4096, "NUM_TILES": 1, "PDL": True})))
+    return results
+
+def job(*args, **kwargs):
+    """A build to run later (:func:`main`): ``build``'s arguments."""
+    return (args, kwargs)
+
+
+#: The variants of this run (:func:`main`), read by index in the forked workers.
+_SPECS: list = []
+
+
+def _build(i: int):
+    label, (args, kwargs) = _SPECS[i][:-1], _SPECS[i][-1]
+    return label + (build(*args, **kwargs),)
+
+
+def main():
+    """Build every variant, as many at once as this machine has cores (forked workers: each build is
+    independent and takes seconds), and print one line each in order."""
+    import multiprocessing
+
+    _SPECS[:] = variants()
+    workers = min(len(_SPECS), os.cpu_count() or 1)
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = pool.map(_build, range(len(_SPECS)), chunksize=1)
+    else:
+        results = [_build(i) for i in range(len(_SPECS))]
     for r in results:
         print(*r)
     print(f"compiled {len(results)} kernel variants for sm_90")

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
+from . import interpreted
 from .fp4 import mxfp4_tile, nvfp4_tile
 from .quant import (
     _F32_MAX,
@@ -71,12 +72,17 @@ SUM_GIVEN = tl.constexpr(2)
 _SOFT_BF16: tl.constexpr = tl.constexpr(interpreter_enabled())
 
 
-@triton.jit
-def _bf16_rne(v):
-    b = v.to(tl.uint32, bitcast=True)
-    r = b + 0x7FFF + ((b >> 16) & 1)
-    r = tl.where(v != v, b | 0x400000, r)  # NaN stays a (quiet) NaN
-    return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+if _SOFT_BF16 and interpreted.HOST_TWINS:
+    @triton.jit
+    def _bf16_rne(v):
+        return interpreted.bf16_rne(v)  # the operations below in one NumPy step
+else:
+    @triton.jit
+    def _bf16_rne(v):
+        b = v.to(tl.uint32, bitcast=True)
+        r = b + 0x7FFF + ((b >> 16) & 1)
+        r = tl.where(v != v, b | 0x400000, r)  # NaN stays a (quiet) NaN
+        return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numpy as np
+
 #: Language modules patched by the launch in progress (``id`` of the module objects), or None outside one.
 _patched: set[int] | None = None
 #: The language modules among a module's globals, by the ``id`` of its globals dict (a module's imports
@@ -113,3 +115,40 @@ def _cache_numpy_dtypes(interp, tl) -> None:
 
     _get_np_dtype._tpcomm = True
     interp._get_np_dtype = _get_np_dtype
+
+
+# -- host twins -------------------------------------------------------------------------------------
+# Called from a kernel under the interpreter only (``epilogue._bf16_rne``, ``quant.widen``): one NumPy
+# step each where the kernel's own bit operations take eight or so interpreted ops, a tenth of a CPU
+# rank's call together (docs/cpu.md, "Interpreter speed"). Same bits as those operations.
+try:
+    import triton.language as _tl
+    from triton.runtime.interpreter import TensorHandle as _Handle
+
+    HOST_TWINS = (dataclasses.is_dataclass(_Handle)
+                  and {"data", "dtype"} <= {f.name for f in dataclasses.fields(_Handle)})
+except ImportError:
+    HOST_TWINS = False
+
+
+def _like(t, data: np.ndarray, dtype):
+    """An interpreter tensor of ``t``'s shape holding ``data`` as ``dtype``."""
+    ty = _tl.block_type(dtype, t.type.shape) if isinstance(t.type, _tl.block_type) else dtype
+    return _tl.tensor(_Handle(data, dtype), ty)
+
+
+def bf16_rne(v):
+    """float32 ``v`` (an interpreter tensor) rounded to nearest-even bfloat16 on its bits, a NaN kept
+    quiet: ``epilogue._bf16_rne``'s operations in NumPy."""
+    data = v.handle.data
+    b = np.atleast_1d(np.asarray(data, dtype=np.float32)).view(np.uint32)
+    r = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+    r = np.where(np.isnan(b.view(np.float32)), b | np.uint32(0x400000), r)
+    return _like(v, (r >> np.uint32(16)).astype(np.uint16).reshape(np.shape(data)), _tl.bfloat16)
+
+
+def widen_bf16(x):
+    """bfloat16 ``x`` (an interpreter tensor) as float32, exactly: its 16 bits shifted up."""
+    data = x.handle.data
+    w = np.atleast_1d(np.asarray(data, dtype=np.uint16)).astype(np.uint32) << np.uint32(16)
+    return _like(x, w.view(np.float32).reshape(np.shape(data)), _tl.float32)

@@ -41,6 +41,9 @@ so each tile holds whole groups and is quantised in one pass.
 import triton
 import triton.language as tl
 
+from ..env import interpreter_enabled
+from . import interpreted
+
 # float32 bit patterns and FP8 codes of the two formats.
 _F32_448: tl.constexpr = tl.constexpr(0x43E00000)    # 448.0 = 1.75 * 2^8, e4m3fn's largest finite
 _F32_240: tl.constexpr = tl.constexpr(0x43700000)    # 240.0 = 1.875 * 2^7, e4m3fnuz's largest finite
@@ -52,14 +55,24 @@ _FAST_MIN_SCALE: tl.constexpr = tl.constexpr(2.0 ** -90)  # see divide()
 _F32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)          # (2 - 2^-23) * 2^127
 
 
-@triton.jit
-def widen(x):
-    """``x`` (bf16, fp16 or fp32) as float32, exactly. bf16 is widened on the bits (a 16-bit shift):
-    Triton's interpreter (3.9) flushes or mangles bf16 subnormals in ``.to(tl.float32)``."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
+if interpreter_enabled() and interpreted.HOST_TWINS:
+    @triton.jit
+    def widen(x):
+        """``x`` (bf16, fp16 or fp32) as float32, exactly; bf16 by :func:`interpreted.widen_bf16`, the
+        shift below in one NumPy step."""
+        if x.dtype == tl.bfloat16:
+            return interpreted.widen_bf16(x)
+        else:
+            return x.to(tl.float32)
+else:
+    @triton.jit
+    def widen(x):
+        """``x`` (bf16, fp16 or fp32) as float32, exactly. bf16 is widened on the bits (a 16-bit shift):
+        Triton's interpreter (3.9) flushes or mangles bf16 subnormals in ``.to(tl.float32)``."""
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
 
 
 @triton.jit
