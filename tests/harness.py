@@ -148,6 +148,11 @@ class RankPool:
                 killed so that the next test starts from fresh communicators.
             PoolTimeout: the ranks did not all finish within ``timeout_s``; the pool is killed.
         """
+        return self.collect(self.submit(fn, *args, **kwargs), timeout_s)
+
+    def submit(self, fn: Callable[..., Any], *args, **kwargs) -> tuple:
+        """Start ``fn(ctx, *args, **kwargs)`` on every rank without waiting; :meth:`collect` the
+        returned ticket (so that calls on two pools run at the same time)."""
         if not self.alive:
             raise RuntimeError("RankPool.run: the pool is dead")
         task_id = self._next_id
@@ -155,7 +160,13 @@ class RankPool:
         payload = pickle.dumps((fn, args, kwargs))
         for q in self._tasks:
             q.put((task_id, payload))
-        return self._collect(task_id, timeout_s, getattr(fn, "__name__", repr(fn)))
+        return task_id, getattr(fn, "__name__", repr(fn))
+
+    def collect(self, ticket: tuple, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+        """The values of a :meth:`submit`-ted call in rank order, as :meth:`run` returns them (and with
+        its errors)."""
+        task_id, what = ticket
+        return self._collect(task_id, timeout_s, what)
 
     def _collect(self, task_id, timeout_s: float, what: str) -> list:
         got: dict[int, tuple[bool, Any]] = {}
