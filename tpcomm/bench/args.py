@@ -36,7 +36,7 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--estimate", action="store_true",
                    help="print the expected device time of the sweep and exit (no GPU needed)")
     b.add_argument("--json", default=None, metavar="PATH",
-                   help="results file (default out/bench[-quick]-w<world>.json); the PNGs "
+                   help="the run's JSON document (default out/bench[-quick]-w<world>.json); the PNGs "
                         "(<stem>-<op>-<mode>.png) go beside it")
     b.add_argument("--results", default=None, metavar="PATH",
                    help="also append the run's rows, with its machine, commit and versions, to this results "
