@@ -154,7 +154,7 @@ class RankPool:
         """Start ``fn(ctx, *args, **kwargs)`` on every rank without waiting; :meth:`collect` the
         returned ticket (so that calls on two pools run at the same time)."""
         if not self.alive:
-            raise RuntimeError("RankPool.run: the pool is dead")
+            raise RuntimeError("RankPool.submit: the pool is dead")
         task_id = self._next_id
         self._next_id += 1
         payload = pickle.dumps((fn, args, kwargs))

@@ -34,6 +34,8 @@ import sys
 
 import torch
 
+from . import results
+
 #: Token counts FlashInfer's loopback rows stop at (see the module docstring).
 FI_MAX_TOKENS = 64
 #: World sizes FlashInfer's all-reduce fusion supports.
@@ -256,18 +258,6 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _commit() -> str | None:
-    """tpcomm's commit (short), when it runs from a git checkout."""
-    import subprocess
-
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], text=True,
-                              capture_output=True, timeout=10).stdout.strip() or None
-    except Exception:
-        return None
-
-
 def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256, 1024, 4096),
          json_path: str | None = None, calls: int = 50, replays: int = 20, eps: float = 1e-6,
          max_programs: int | None = None, results_path: str | None = None) -> int:
@@ -316,15 +306,13 @@ def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256
         if not r["checked"]:
             print(f"FAIL {r['library']} {r['op']} {r['tokens']}x{r['hidden']}: wrong output, not timed")
     doc = dict(world=world_size, calls=calls, replays=replays, torch=torch.__version__, triton=_version("triton"),
-               flashinfer=_version("flashinfer"), commit=_commit(), max_programs=max_programs,
+               flashinfer=_version("flashinfer"), commit=results.tpcomm_commit(), max_programs=max_programs,
                device=torch.cuda.get_device_name(), rows=rows, notes=notes)
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=1)
     if results_path:
-        from . import results
-
         results.append(results.loopback_rows(doc), results_path)
         print(f"appended the run to {results_path}")
     return 1 if bad or any("tpcomm at" in n for n in notes) else 0

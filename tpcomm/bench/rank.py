@@ -17,7 +17,6 @@ skip together and no rank waits in a collective that its peer left.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -250,20 +249,15 @@ def run_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict:
 def environment(comm) -> dict:
     """Versions, the machine and tpcomm's settings (its commit, when run from a git checkout, and whether
     its kernels launch with programmatic dependent launch), for the JSON."""
-    import subprocess
-
     import triton
+
+    from .results import tpcomm_commit
 
     gpu = torch.cuda.get_device_name(comm.device) if comm.device.type == "cuda" else "CPU (gloo ranks)"
     info = {"gpu": gpu, "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "communicator": repr(comm),
             "pdl": bool(comm.workspace is not None and comm.workspace.pdl)}
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        info["tpcomm_commit"] = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], text=True,
-                                               capture_output=True, timeout=10).stdout.strip() or None
-    except Exception:  # no git, or not a checkout
-        info["tpcomm_commit"] = None
+    info["tpcomm_commit"] = tpcomm_commit()
     try:
         import torch.cuda.nccl as nccl
 

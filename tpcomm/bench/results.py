@@ -26,6 +26,23 @@ RUN_COLUMNS = ("run", "date", "commit", "machine", "world", "torch", "triton", "
 _RESULT_FIELDS = ("median_us", "min_us", "max_us", "replays", "busbw_GBps", "pct_of_copy", "note", "na", "error")
 
 
+def tpcomm_commit() -> str | None:
+    """tpcomm's commit (short hash), when it runs from a git checkout; else None."""
+    import subprocess
+
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], text=True,
+                              capture_output=True, timeout=10).stdout.strip() or None
+    except Exception:  # no git, or not a checkout
+        return None
+
+
+def _now() -> str:
+    """The current time, UTC, ISO (a run's default date)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _run_id(date: str, commit: str | None, machine: str) -> str:
     return f"{date} {commit or 'nogit'} {machine}"
 
@@ -36,7 +53,7 @@ def sweep_rows(doc: dict, date: str | None = None, commit: str | None = None) ->
     env, cfg = doc.get("environment", {}), doc.get("config", {})
     world = cfg.get("world_size")
     machine = f"{env.get('gpu', '?')} x {world}"
-    date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = date or _now()
     commit = commit or env.get("tpcomm_commit")
     run = {"run": _run_id(date, commit, machine), "date": date, "commit": commit, "machine": machine,
            "world": world, "torch": env.get("torch"), "triton": env.get("triton"), "nccl": env.get("nccl"),
@@ -53,7 +70,7 @@ def sweep_rows(doc: dict, date: str | None = None, commit: str | None = None) ->
 def loopback_rows(doc: dict, date: str | None = None, commit: str | None = None) -> list[dict]:
     """The rows of a ``tpcomm bench --loopback`` JSON document."""
     machine = f"{doc.get('device', '?')} x 1 ({doc.get('world')} loopback ranks)"
-    date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = date or _now()
     commit = commit or doc.get("commit")
     run = {"run": _run_id(date, commit, machine), "date": date, "commit": commit, "machine": machine,
            "world": doc.get("world"), "torch": doc.get("torch"), "triton": doc.get("triton"), "nccl": None,

@@ -72,7 +72,7 @@ SUM_GIVEN = tl.constexpr(2)
 _SOFT_BF16: tl.constexpr = tl.constexpr(interpreter_enabled())
 
 
-if _SOFT_BF16 and interpreted.HOST_TWINS:
+if interpreted.HOST_TWINS:  # under the interpreter only
     @triton.jit
     def _bf16_rne(v):
         return interpreted.bf16_rne(v)  # the operations below in one NumPy step

@@ -15,7 +15,8 @@ brings another module is patched as before, and the launch's own restore undoes 
 as it does without this. Outside a launch nothing changes. If the interpreter's internals are not the
 ones expected, :func:`install` leaves them as they are (the kernels then run as slowly as before).
 :func:`install` also turns off the overflow sanitiser while assertions are off and memoises the dtype
-map (docs/cpu.md, "Interpreter speed"): neither changes a result.
+map, and the host twins below do two of the kernels' bit operations in NumPy (docs/cpu.md, "Interpreter
+speed"): none of these changes a result.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import dataclasses
 import inspect
 
 import numpy as np
+
+from ..env import interpreter_enabled
 
 #: Language modules patched by the launch in progress (``id`` of the module objects), or None outside one.
 _patched: set[int] | None = None
@@ -121,14 +124,17 @@ def _cache_numpy_dtypes(interp, tl) -> None:
 # Called from a kernel under the interpreter only (``epilogue._bf16_rne``, ``quant.widen``): one NumPy
 # step each where the kernel's own bit operations take eight or so interpreted ops, a tenth of a CPU
 # rank's call together (docs/cpu.md, "Interpreter speed"). Same bits as those operations.
-try:
-    import triton.language as _tl
-    from triton.runtime.interpreter import TensorHandle as _Handle
+#: Whether the kernels use the host twins: under the interpreter, when its tensors are as expected.
+HOST_TWINS = False
+if interpreter_enabled():
+    try:
+        import triton.language as _tl
+        from triton.runtime.interpreter import TensorHandle as _Handle
 
-    HOST_TWINS = (dataclasses.is_dataclass(_Handle)
-                  and {"data", "dtype"} <= {f.name for f in dataclasses.fields(_Handle)})
-except ImportError:
-    HOST_TWINS = False
+        HOST_TWINS = (dataclasses.is_dataclass(_Handle)
+                      and {"data", "dtype"} <= {f.name for f in dataclasses.fields(_Handle)})
+    except ImportError:
+        pass
 
 
 def _like(t, data: np.ndarray, dtype):

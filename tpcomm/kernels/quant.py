@@ -41,7 +41,6 @@ so each tile holds whole groups and is quantised in one pass.
 import triton
 import triton.language as tl
 
-from ..env import interpreter_enabled
 from . import interpreted
 
 # float32 bit patterns and FP8 codes of the two formats.
@@ -55,7 +54,7 @@ _FAST_MIN_SCALE: tl.constexpr = tl.constexpr(2.0 ** -90)  # see divide()
 _F32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)          # (2 - 2^-23) * 2^127
 
 
-if interpreter_enabled() and interpreted.HOST_TWINS:
+if interpreted.HOST_TWINS:  # under the interpreter only
     @triton.jit
     def widen(x):
         """``x`` (bf16, fp16 or fp32) as float32, exactly; bf16 by :func:`interpreted.widen_bf16`, the
