@@ -521,4 +521,18 @@ def negative_view_case(ctx):
         got = comm.fused_add_rmsnorm(v, res, w)
         checks.append((f"fused #{rep}", _same(got[0], o) and _same(got[1], ro)))
         checks.append((f"all_gather #{rep}", _same(comm.all_gather(v), torch.cat(neg))))
+    # a negated output would read the kernels' results negated: refused, on every call, also after a call
+    # with a plain output of the same layout was recorded
+    x, y, o2, ro2 = xs[ctx.rank], torch.empty(2, 32), torch.empty(2, 32), torch.empty(2, 32)
+    comm.all_reduce(x, out=y)
+    comm.fused_add_rmsnorm(x, res, w, out=o2, residual_out=ro2)
+    for rep in range(2):
+        for name, call in (("all_reduce out=", lambda: comm.all_reduce(x, out=torch._neg_view(y))),
+                           ("fused out=", lambda: comm.fused_add_rmsnorm(x, res, w, out=torch._neg_view(o2),
+                                                                         residual_out=ro2)),
+                           ("fused residual_out=", lambda: comm.fused_add_rmsnorm(
+                               x, res, w, out=o2, residual_out=torch._neg_view(ro2)))):
+            err = raised(call)
+            checks.append((f"{name} negated #{rep}: {err}", err is not None and err[0] == "ValueError"
+                           and "negative bit" in err[1]))
     return checks

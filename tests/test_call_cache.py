@@ -5,6 +5,7 @@ launch-level tests in this process under the interpreter.
 """
 
 import call_cache_cases as cases
+import numpy as np
 import pytest
 import torch
 import triton
@@ -120,35 +121,101 @@ def test_replay_launches_with_the_new_tensors_in_its_slots():
     assert call.params[0] is x  # the recorded call is unchanged
 
 
-def test_alignment_pattern_and_overlap_of_addresses():
-    """The hit path's checks on the addresses it read once: the alignment pattern tells every
-    misaligned tensor apart from an aligned one (0 only when all are aligned), and the fused call's
-    overlap check finds a given output that shares a byte with an input or another output, but not an
-    in-place residual_out, an empty output or a missing tensor."""
-    from tpcomm import call_cache
+class _Memory:
+    """A tensor as a repeat sees it: an address."""
 
-    assert call_cache.alignment(4096, 0, 8192) == 0
-    assert call_cache.alignment(4096 + 2, 0, 8192) != 0 and call_cache.alignment(4096, 0, 8192 + 2) != 0
-    assert call_cache.alignment(4096 + 2, 8192) != call_cache.alignment(4096, 8192 + 2)
-    n = 1024  # bytes of every tensor; slots: x, residual, weight, out, residual_out, q, scales, scale
-    nbytes = (n, n, 64, n, n, 0, 0, 0)
-    base = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 0, 0, 0]
-    clear = call_cache._outputs_clear
-    assert clear(base, nbytes, False)
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _Replay:
+    """A recorded launch that logs what a repeat launches: through ``launch`` (not direct) or through
+    its launcher ``_run`` with the addresses in its parameter slots (direct)."""
+
+    def __init__(self, slots, direct):
+        self.grid, self.slots, self.direct = 3, slots, direct
+        self._params, self._function, self._meta = [0] * 4 + ["constant"], "function", "metadata"
+        self.log = []
+
+    def launch(self, tensors, stream, ptrs):
+        self.log.append(("launch", ptrs))
+
+    def _run(self, *args):
+        self.log.append(("run", tuple(args[9:])))
+
+
+class _Comm:
+    _closed, _last_stream = False, None
+
+    def check(self, op):
+        raise AssertionError("no error is recorded")
+
+
+def _fused_hit(replay, given=(3, 4), in_place=(), residues=None, nbytes=(1024, 1024, 64, 1024, 1024, 0, 0, 0)):
+    import threading
+
+    from tpcomm.hit_code import HitSpec, compile_hit
+
+    args = ("x", "residual", "weight", "out", "residual_out", "q_out", "scales_out", "scale")
+    spec = HitSpec("fused_add_rmsnorm", args, tuple(("arg", a) for a in args[:5]) + (None, None, None),
+                   given=given, inputs=(0, 1, 2), in_place=in_place, result=(3, 4))
+    hit, source = compile_hit(spec, (replay,), nbytes, residues, threading.Lock(),
+                              np.zeros(5, dtype=np.int32), None)
+    return hit, source
+
+
+def test_a_repeat_launches_with_the_addresses_in_their_slots():
+    """The generated repeat passes each slot's address to the parameters that take it, through the
+    launcher when the replay is direct and through ``Replay.launch`` otherwise, and returns the
+    result's slots."""
+    base = [_Memory(k << 20) for k in range(1, 6)]
+    for direct in (False, True):
+        replay = _Replay(((0, 0), (1, 3), (2, 3), (3, 4)), direct)
+        hit, source = _fused_hit(replay)
+        got = hit(_Comm(), *base, None, None, None)
+        assert got == (base[3], base[4]), source
+        ptrs = tuple(m.ptr for m in base)
+        want = ("run", (ptrs[0], ptrs[3], ptrs[3], ptrs[4], "constant")) if direct else ("launch", ptrs + (0, 0, 0))
+        assert replay.log == [want], source
+
+
+def test_a_repeat_leaves_overlapping_outputs_and_another_alignment_to_the_full_path():
+    """The repeat's checks on the addresses it read once: a given output that shares a byte with an
+    input or another given output, or an address whose 16-byte residue is not the recording's, returns
+    None before any launch; an in-place residual_out (allowed) and an empty output do not."""
+    n = 1024
+    base = [1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20]
+
+    def run(ptrs, **kw):
+        replay = _Replay(((0, 0), (1, 4)), False)
+        hit, source = _fused_hit(replay, **kw)
+        got = hit(_Comm(), *(_Memory(p) for p in ptrs), None, None, None)
+        assert (got is None) == (not replay.log), source
+        return got is not None
+
+    assert run(base)
     for k, into in ((3, 0), (3, 1), (3, 2), (4, 0), (4, 3)):  # an output starting inside x, residual, ...
         ptrs = list(base)
         ptrs[k] = base[into] + 2
-        assert not clear(ptrs, nbytes, False), (k, into)
+        assert not run(ptrs), (k, into)
     in_place = list(base)
     in_place[4] = base[1]  # residual_out is residual
-    assert clear(in_place, nbytes, True) and not clear(in_place, nbytes, False)
+    assert run(in_place, in_place=((4, 1),)) and not run(in_place)
     for into in (0, 2, 3):  # an in-place residual is still an output: not inside x, the weight or out
         moved = list(in_place)
         moved[1] = moved[4] = base[into] + 2
-        assert not clear(moved, nbytes, True), into
+        assert not run(moved, in_place=((4, 1),)), into
     empty = list(base)
     empty[3] = base[0]
-    assert clear(empty, (n, n, 64, 0, n, 0, 0, 0), False)  # an empty out shares nothing
+    assert run(empty, nbytes=(n, n, 64, 0, n, 0, 0, 0))  # an empty out shares nothing
+    residues = (0, 0, 0, 0, 8)
+    odd = list(base)
+    odd[4] += 8
+    assert run(odd, residues=residues) and not run(base, residues=residues)
+    assert run(base, residues=(0,) * 8) and not run(odd, residues=(0,) * 8)
 
 
 def test_direct_replay_runs_the_launcher_unless_a_launch_hook_is_set():

@@ -1,19 +1,20 @@
 """Decide once per call shape: the cached path of :class:`~tpcomm.Communicator`'s ops.
 
 A call's **key** holds everything its validation, plan and launches depend on: the op; each tensor
-argument's type, shape, dtype, strides and device, and which arguments are one object; every scalar
-argument with its type (so ``eps=True`` and ``eps=1`` differ, as validation tells them apart); the
+argument's type, shape, dtype, layout (strides, or only whether it is contiguous where the kernels read
+it flat and the full path copies it otherwise) and device, and which arguments are one object; every
+scalar argument with its type (so ``eps=True`` and ``eps=1`` differ, as validation tells them apart); the
 algorithm in force (``use_algorithm``, ``TPCOMM_ALGO``). A call whose arguments give no key (None for a
-tensor, an unhashable scalar) takes the full path, which names the argument. The first call
-with a key runs the full path: it validates, plans, compiles and launches, and records each launch as a
-:class:`~tpcomm.kernels.launch.Replay` whose tensor parameters are slots for the call's tensors. A later
-call with the same key checks what two such calls can still differ in (the communicator is open, no
-error is recorded, an ``out`` that overlaps ``x`` in part, given outputs that overlap an input),
-allocates its outputs, and replays the
-launches with its own tensors: the same kernels, grids and parameters, so the same bits. A hit reads
-each tensor's address once: the entry holds the recording call's 16-byte alignment pattern (on CUDA
-Triton specialises each pointer on it: another pattern takes the full path, which records it) and each
-tensor's size in bytes (fixed by the key), from which the overlap checks and the launches work.
+tensor, an unhashable scalar) takes the full path, which names the argument. The first call with a key
+runs the full path: it validates, plans, compiles and launches, and records each launch as a
+:class:`~tpcomm.kernels.launch.Replay` whose tensor parameters are slots for the call's tensors, with a
+:class:`~tpcomm.hit_code.HitSpec` saying where each slot's tensor comes from in a later call. A later
+call with the same key runs the entry's :attr:`CachedCall.hit`, straight-line code written for it
+(:mod:`tpcomm.hit_code`): it checks what two such calls can still differ in (the communicator is open, no
+error is recorded, no given output shares bytes with an input or another given output, on CUDA each
+address's 16-byte residue, which Triton specialises pointers on), allocates the outputs with the recorded
+layouts, and replays the launches with its own tensors: the same kernels, grids and parameters, so the
+same bits.
 
 Only calls whose validation passed are recorded, so an invalid call never matches a key and raises what
 the full path raises, on every call. Calls that are not recorded, and take the full path every time:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from .hit_code import LIKE_X, HitSpec, compile_hit
 from .kernels.launch import Replay
 
 #: Keys a communicator remembers; the oldest goes first.
@@ -35,7 +37,10 @@ MAX_ENTRIES = 512
 
 _Tensor = torch.Tensor
 _E4M3 = torch.float8_e4m3fn
-_INF = float("inf")
+#: The tensor types a key accepts (subclasses take the full path).
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+#: The default ``group_size`` (the fp8 part of a fused key is left out while it is this very object).
+_GROUP = 128
 
 
 def new_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -43,49 +48,39 @@ def new_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 
-_NEW = torch.empty_strided
-_LIKE = torch.empty_like
-#: An output whose layout is the input ``x``'s: made by ``torch.empty_like(x)`` (a fraction of a µs less
-#: than ``torch.empty_strided``; a repeated call's ``x`` has the recorded one's layout, by its key).
-LIKE_X = "like x"
-
-
-def _new(o, x: torch.Tensor) -> torch.Tensor:
-    """A new output of layout ``o`` (:attr:`CachedCall.outputs`) for a call whose input is ``x``."""
-    if o is LIKE_X:
-        return _LIKE(x)
-    return _NEW(o[0], o[1], dtype=o[2], device=o[3])
+def layout(t: torch.Tensor, x: torch.Tensor):
+    """How a repeat allocates an output like ``t`` of a call whose input is ``x``: ``LIKE_X`` where
+    ``torch.empty_like(x)`` makes that layout (a fraction of a µs less than ``torch.empty_strided``; a
+    repeated call's ``x`` has the recorded one's layout, by its key), else ``(shape, strides, dtype,
+    device)``."""
+    mine = (tuple(t.shape), t.stride(), t.dtype, t.device)
+    return LIKE_X if mine == (tuple(x.shape), x.stride(), x.dtype, x.device) else mine
 
 
 class CachedCall:
-    """The recorded launches of one key and the layout of its new outputs.
+    """The recorded launches of one key and the code that repeats them.
 
     Attributes:
         replays: the launches, in order.
-        direct: every replay was confirmed for the compiled kernel's launcher.
-        spec: the op's own facts (see the ``*_hit`` functions).
-        outputs: per output the op allocates, ``(shape, strides, dtype, device)`` of the first call's
-            tensor (``torch.empty_strided`` makes the same), ``LIKE_X`` where that is the layout of the
-            call's input ``x`` (``torch.empty_like(x)`` makes it), or None where the caller passed it or
-            the call has none.
-        alignment: :func:`alignment` of the recording call's tensors (``tensors``, in slot order; 0
-            when ``cuda`` is False: only CUDA launches are specialised on it).
-        nbytes: each of those tensors' size in bytes (0 for None).
+        spec: where each slot's tensor comes from (:class:`~tpcomm.hit_code.HitSpec`).
+        hit: ``hit(comm, *spec.args)``: the repeat (:func:`~tpcomm.hit_code.compile_hit`); returns the
+            call's result, or None where the full path must decide.
+        source: the text of ``hit``.
     """
 
-    __slots__ = ("replays", "direct", "spec", "outputs", "alignment", "nbytes")
+    __slots__ = ("replays", "spec", "hit", "source")
 
-    def __init__(self, replays: tuple, spec: tuple, outputs: tuple, tensors: tuple = (), cuda: bool = False):
-        self.replays = replays
-        self.direct = all(r.direct for r in replays)
-        self.spec = spec
-        x = tensors[0] if tensors else None
-        #: the recording call's tensors' alignment pattern (:func:`alignment`; 0 off CUDA) and sizes
-        self.alignment = alignment(*(0 if t is None else t.data_ptr() for t in tensors)) if cuda else 0
-        self.nbytes = tuple(0 if t is None else t.nbytes for t in tensors)
-        like = None if x is None else (tuple(x.shape), x.stride(), x.dtype, x.device)
-        layouts = (None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs)
-        self.outputs = tuple(LIKE_X if o is not None and o == like else o for o in layouts)
+    def __init__(self, replays: tuple, spec: HitSpec, tensors: tuple, lock, err, cuda: bool,
+                 device_index: int | None = None):
+        self.replays, self.spec = replays, spec
+        nbytes = tuple(0 if t is None else t.nbytes for t in tensors)
+        residues = tuple(0 if t is None else t.data_ptr() & 15 for t in tensors) if cuda else None
+        self.hit, self.source = compile_hit(spec, replays, nbytes, residues, lock, err, device_index)
+
+    @property
+    def direct(self) -> bool:
+        """Every replay launches through the compiled kernel's launcher."""
+        return all(r.direct for r in self.replays)
 
 
 class CallCache:
@@ -94,6 +89,9 @@ class CallCache:
     def __init__(self, max_entries: int = MAX_ENTRIES):
         self._entries: dict = {}
         self.max_entries = max_entries
+        #: ``lookup(key)``: the entry or None (None for key None); TypeError for a key that cannot be
+        #: hashed. The dict's own ``get``: a method around it costs a tenth of a µs a call.
+        self.lookup = self._entries.get
 
     def get(self, key):
         """The entry of ``key``, or None (also for a key that cannot be hashed: an argument of the wrong
@@ -148,39 +146,18 @@ def record(launched: list, tensors: tuple, constants: tuple, direct: bool,
 
 # -- keys -------------------------------------------------------------------------------------------
 # Keys are flat tuples (hashing and comparing nested ones cost about a µs more on the hit path). A tensor
-# contributes (shape, dtype, strides, device); None contributes None.
-_PARAMETER = torch.nn.Parameter
-
-
-def _plain(*tensors) -> bool:
-    """Whether every non-None argument is a plain tensor or a Parameter without a lazy negation
-    (subclasses, negative-bit views and anything else take the full path)."""
-    for t in tensors:
-        if t is not None and (type(t) is not _Tensor and type(t) is not _PARAMETER or t.is_neg()):
-            return False
-    return True
-
-
-def _tensor(t) -> bool:
-    """Whether ``t``, a required tensor argument, is a plain tensor or a Parameter."""
-    return (type(t) is _Tensor or type(t) is _PARAMETER) and not t.is_neg()
-
-
-def alignment(*ptrs: int) -> int:
-    """Each address modulo 16, four bits an address (0 for a missing tensor): Triton specialises
-    pointer parameters on 16-byte alignment, so a replay must see its recording's pattern (0: all
-    aligned)."""
-    a = 0
-    for p in ptrs:
-        a = a << 4 | p & 15
-    return a
+# contributes (shape, dtype, strides or contiguity, device); None contributes None. Each key function
+# returns None for a tensor argument that is not a plain tensor or Parameter, or is a negative-bit view.
 
 
 def all_reduce_key(x, out, algorithm: str) -> tuple | None:
-    if not _tensor(x) or not _plain(out):
+    """Key of ``all_reduce`` (``out``'s strides: its validation reads them)."""
+    if x.__class__ not in _PLAIN or x.is_neg():
         return None
     if out is None or out is x:
         return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out is x, algorithm)
+    if out.__class__ not in _PLAIN or out.is_neg():
+        return None
     return ("all_reduce", x.shape, x.dtype, x.stride(), x.device, out.shape, out.dtype, out.stride(), out.device,
             algorithm)
 
@@ -189,138 +166,110 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
               emit_unquantized, out, residual_out, q_out, scales_out, algorithm: str,
               scale=None, swizzled_scales=False) -> tuple | None:
     """Key of ``fused_add_rmsnorm``; ``scale``: the input scale of ``quant='fp8_static'`` or ``'nvfp4'``
-    (or None)."""
-    if not _tensor(x) or not _tensor(weight) or not _plain(residual):
+    (or None). ``x``'s strides (the layout of its new outputs), whether every other tensor but
+    ``scales_out`` is contiguous (the kernels read and write them flat; validation asks only that), and
+    ``scales_out``'s strides (validation compares them)."""
+    if x.__class__ not in _PLAIN or weight.__class__ not in _PLAIN or x.is_neg() or weight.is_neg():
         return None
-    if scale is not None:  # a static scale: its layout
-        if not _tensor(scale):
-            return None
-        scale_key = ("scale", scale.shape, scale.dtype, scale.stride(), scale.device)
-    else:
-        scale_key = ()
-    # which arguments are one object: the recorded slots follow that pattern
-    key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.stride(), weight.device,
-           eps.__class__, eps, gemma.__class__, gemma, quant, algorithm, residual is x, weight is x,
-           weight is residual) + scale_key
-    key += (None,) if residual is None else (residual.shape, residual.dtype, residual.stride(), residual.device)
-    if quant is not None or fp8_dtype is not _E4M3 or group_size.__class__ is not int or group_size != 128 \
-            or column_major_scales is not False or emit_unquantized is not False or swizzled_scales is not False:
+    if residual is None:
+        key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.is_contiguous(),
+               weight.device, eps.__class__, eps, gemma.__class__, gemma, quant, algorithm, weight is x, None)
+    elif residual.__class__ not in _PLAIN or residual.is_neg():
+        return None
+    else:  # which arguments are one object: the recorded slots follow that pattern
+        key = (x.shape, x.dtype, x.stride(), x.device, weight.shape, weight.dtype, weight.is_contiguous(),
+               weight.device, eps.__class__, eps, gemma.__class__, gemma, quant, algorithm, weight is x,
+               residual.shape, residual.dtype, residual.is_contiguous(), residual.device, residual is x,
+               weight is residual)
+    if quant is not None or fp8_dtype is not _E4M3 or group_size is not _GROUP or column_major_scales is not False \
+            or emit_unquantized is not False or swizzled_scales is not False:
         key += ("fp8", fp8_dtype, group_size.__class__, group_size, column_major_scales.__class__, column_major_scales,
                 emit_unquantized.__class__, emit_unquantized, swizzled_scales.__class__, swizzled_scales)
+    if scale is not None:  # a static scale: its layout
+        if scale.__class__ not in _PLAIN or scale.is_neg():
+            return None
+        key += ("scale", scale.shape, scale.dtype, scale.stride(), scale.device)
     if out is None and residual_out is None and q_out is None and scales_out is None:
         return key
-    if not _plain(out, residual_out, q_out, scales_out):
-        return None
+    if q_out is None and scales_out is None and out is not None and residual_out is not None:  # the common form
+        if out.__class__ not in _PLAIN or residual_out.__class__ not in _PLAIN or out.is_neg() or residual_out.is_neg():
+            return None
+        if residual_out is residual:
+            return key + ("outputs", out.shape, out.dtype, out.is_contiguous(), out.device, "residual in place")
+        return key + ("outputs", out.shape, out.dtype, out.is_contiguous(), out.device, residual_out.shape,
+                      residual_out.dtype, residual_out.is_contiguous(), residual_out.device)
     key += ("outputs",)
-    for t in (out, q_out, scales_out):
-        key += (None,) if t is None else (t.shape, t.dtype, t.stride(), t.device)
-    if residual_out is not None and residual_out is residual:
-        key += ("residual in place",)
-    else:
-        key += (None,) if residual_out is None else (residual_out.shape, residual_out.dtype, residual_out.stride(),
-                                                     residual_out.device)
-    return key
+    for t in (out, residual_out, q_out):
+        if t is None:
+            key += (None,)
+        elif t.__class__ not in _PLAIN or t.is_neg():
+            return None
+        elif t is residual and t is residual_out:
+            key += ("residual in place",)
+        else:
+            key += (t.shape, t.dtype, t.is_contiguous(), t.device)
+    if scales_out is None:
+        return key + (None, None)
+    if scales_out.__class__ not in _PLAIN or scales_out.is_neg():
+        return None
+    return key + (scales_out.shape, scales_out.dtype, scales_out.stride(), scales_out.device)
 
 
 def dim_key(op: str, x, dim, algorithm: str) -> tuple | None:
     """Key of ``all_gather`` / ``reduce_scatter``."""
-    if not _tensor(x):
+    if x.__class__ not in _PLAIN or x.is_neg():
         return None
     return (op, x.shape, x.dtype, x.stride(), x.device, dim.__class__, dim, algorithm)
 
 
-# -- hits -------------------------------------------------------------------------------------------
-def all_reduce_hit(comm, entry: CachedCall, x, out):
-    """A repeated ``all_reduce``, or None: take the full path (an ``out`` that overlaps ``x`` in part,
-    which the full path reduces from a copy, or another alignment)."""
-    px = x.data_ptr()
-    if out is None:
-        out = _new(entry.outputs[0], x)
-    elif out is not x and 0 < abs(out.data_ptr() - px) < entry.nbytes[0]:
-        return None
-    ptrs = (px, out.data_ptr())
-    if entry.alignment != (alignment(*ptrs) if comm._cuda else 0):
-        return None
-    comm._replay("all_reduce", entry, (x, out), ptrs)
-    return out
+# -- what a repeat does -----------------------------------------------------------------------------
+def all_reduce_spec(x, out, given: bool) -> HitSpec:
+    """The repeat of ``all_reduce(x, out)`` (``given``: the caller passed ``out``). Slots: x, out. A given
+    ``out`` other than ``x`` may be ``x``'s very memory (in place) but not overlap it in part (the full
+    path reduces from a copy then)."""
+    if not given:
+        return HitSpec("all_reduce", ("x", "out"), (("arg", "x"), ("new", layout(out, x))), result=(1,),
+                       single=True)
+    if out is x:
+        return HitSpec("all_reduce", ("x", "out"), (("arg", "x"), ("arg", "out")), result=(1,), single=True)
+    return HitSpec("all_reduce", ("x", "out"), (("arg", "x"), ("arg", "out")), given=(1,), inputs=(0,),
+                   in_place=((1, 0),), result=(1,), single=True)
 
 
-def fused_hit(comm, entry: CachedCall, x, residual, weight, out, residual_out, q_out, scales_out, scale=None):
-    """A repeated ``fused_add_rmsnorm``, or None: take the full path (a given output overlaps an input or
-    another output, or another alignment). ``entry.spec``: ``(quant, emit_unquantized,
-    swizzled_scales)``; ``entry.outputs``: out, residual_out, q, scales (None for a static scale:
-    ``scale``, the input, is the kernels' scales argument and the returned scales). ``scale`` (static
-    FP8's, NVFP4's global one) is the replays' last tensor; on the CPU it is read, as the full path
-    reads it: a value that is not finite and positive takes the full path, which raises."""
-    if scale is not None and not scale.is_cuda and not 0.0 < float(scale.reshape(())) < _INF:
-        return None
-    o, ro, qo, so = entry.outputs
-    quant, emit, swizzled = entry.spec
-    # the tensors in slot order, each address read once (0: no tensor, or one allocated below)
-    tensors = [x, residual, weight, out, residual_out, q_out, scales_out, scale]
-    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
-    if out is not None or residual_out is not None or q_out is not None or scales_out is not None:
-        if not _outputs_clear(ptrs, entry.nbytes, residual_out is residual):
-            return None
-    if out is None and o is not None:  # None: FP8 bytes only, out not written (the kernels take residual_out)
-        tensors[3] = out = _new(o, x)
-    if ro is not None and residual_out is None:
-        tensors[4] = residual_out = _new(ro, x)
-    if qo is not None:
-        tensors[5] = _new(qo, x)
-    if so is not None:  # a new swizzled FP4 buffer's padding is zero, as the full path allocates it
-        tensors[6] = torch.zeros(so[0], dtype=so[2], device=so[3]) if swizzled else _new(so, x)
-    elif quant == "fp8_static":  # the input scale is the kernels' scales argument and the returned scales
-        tensors[6], ptrs[6] = scale, ptrs[7]
-    for k in (3, 4, 5, 6):
-        if ptrs[k] == 0 and tensors[k] is not None:
-            ptrs[k] = tensors[k].data_ptr()
-    if entry.alignment != (alignment(*ptrs) if comm._cuda else 0):
-        return None
-    comm._replay("fused_add_rmsnorm", entry, tensors, ptrs)
-    if quant is None:
-        return out, residual_out
-    return tensors[5], tensors[6], residual_out, (out if emit else None)
+#: The parameters of a fused call's repeat, which are also its slots 0-7.
+FUSED_ARGS = ("x", "residual", "weight", "out", "residual_out", "q_out", "scales_out", "scale")
 
 
-#: Slots of a fused call's tensors (``fused_hit``): the inputs and the outputs.
-_FUSED_INPUTS, _FUSED_OUTPUTS = (0, 1, 2, 7), (3, 4, 5, 6)
+def fused_spec(tensors: tuple, returned: tuple, given: tuple, quant: str | None, emit_unquantized: bool,
+               swizzled_scales: bool, cuda: bool) -> HitSpec:
+    """The repeat of a ``fused_add_rmsnorm`` call. ``tensors``: the recording call's slots, ``(x,
+    residual, weight, out, residual_out, q, scales, scale)`` as its launches take them (None where the
+    call has none); ``returned``: its ``(out, residual_out, q, scales)`` as the call returns them (their
+    layouts are what a repeat allocates; None where the call allocates none: ``out`` where the kernels
+    write FP8 bytes only and take ``residual_out`` as their out pointer); ``given``: whether the caller
+    passed ``out``, ``residual_out``, ``q_out``, ``scales_out``. A static FP8 scale is the kernels' scales
+    argument and the returned scales; a new swizzled FP4 scales buffer is zero-filled (its padding), as
+    the full path allocates it; a CPU ``scale`` is read, as the full path reads it."""
+    x, residual, scale = tensors[0], tensors[1], tensors[7]
+    sources = [("arg", "x"), None if residual is None else ("arg", "residual"), ("arg", "weight")]
+    for k, t, passed in zip((3, 4, 5, 6), returned, given):
+        if passed:
+            sources.append(("arg", FUSED_ARGS[k]))
+        elif k == 6 and quant == "fp8_static":
+            sources.append(("same", 7))
+        elif t is None:
+            sources.append(None)
+        else:
+            sources.append(("zeros" if k == 6 and swizzled_scales else "new", layout(t, x)))
+    sources.append(None if scale is None else ("arg", "scale"))
+    outputs = tuple(k for k, passed in zip((3, 4, 5, 6), given) if passed)
+    in_place = ((4, 1),) if given[1] and tensors[4] is residual else ()
+    result = (3, 4) if quant is None else (5, 6, 4, 3 if emit_unquantized else None)
+    return HitSpec("fused_add_rmsnorm", FUSED_ARGS, tuple(sources), given=outputs,
+                   inputs=tuple(j for j in (0, 1, 2, 7) if tensors[j] is not None), in_place=in_place,
+                   result=result, positive_scale=7 if scale is not None and not cuda else None)
 
 
-def _outputs_clear(ptrs: list, nbytes: tuple, residual_in_place: bool) -> bool:
-    """Whether the given outputs of a fused call share no byte with each other or with the inputs.
-    ``ptrs``: the addresses of ``(x, residual, weight, out, residual_out, q, scales, scale)`` (0: not
-    given), ``nbytes`` their sizes (every tensor of a recorded call is contiguous, so each is the span
-    of its bytes; an empty one shares nothing). An in-place ``residual_out`` is ``residual`` itself,
-    which the kernels read and write row by row: only that pair is allowed to share its bytes (it is
-    an output, so it may share none with ``x``, the weight or the other outputs).
-    :func:`tpcomm.validate.overlapping` on the hit path."""
-    outs = [(k, ptrs[k], ptrs[k] + nbytes[k]) for k in _FUSED_OUTPUTS if ptrs[k] and nbytes[k]]
-    ins = [(j, ptrs[j], ptrs[j] + nbytes[j]) for j in _FUSED_INPUTS if ptrs[j] and nbytes[j]]
-    for i, (k, p, e) in enumerate(outs):
-        for j, p0, e0 in ins:
-            if p < e0 and p0 < e and not (residual_in_place and k == 4 and j == 1):
-                return False
-        for _, p0, e0 in outs[i + 1:]:
-            if p < e0 and p0 < e:
-                return False
-    return True
-
-
-def gather_hit(comm, entry: CachedCall, x):
-    """A repeated ``all_gather`` along dim 0, or None (another alignment: the full path)."""
-    return _dim_hit(comm, "all_gather", entry, x)
-
-
-def scatter_hit(comm, entry: CachedCall, x):
-    """A repeated ``reduce_scatter`` along dim 0, or None (another alignment: the full path)."""
-    return _dim_hit(comm, "reduce_scatter", entry, x)
-
-
-def _dim_hit(comm, op: str, entry: CachedCall, x):
-    out = _new(entry.outputs[0], x)
-    ptrs = (x.data_ptr(), out.data_ptr())
-    if entry.alignment != (alignment(*ptrs) if comm._cuda else 0):
-        return None
-    comm._replay(op, entry, (x, out), ptrs)
-    return out
+def dim_spec(op: str, x, out) -> HitSpec:
+    """The repeat of ``all_gather`` / ``reduce_scatter`` along dim 0. Slots: x, the new output."""
+    return HitSpec(op, ("x",), (("arg", "x"), ("new", layout(out, x))), result=(1,), single=True)

@@ -250,16 +250,20 @@ class Communicator:
             every rank and for every algorithm. Safe in CUDA graphs.
         Raises:
             TypeError: ``x`` is not a tensor, or its dtype has no sum (bool, FP8, complex).
-            ValueError: ``x`` or ``out`` is on another device, ``out`` does not match ``x``, or ``out``'s
-                strides let two elements share memory (a stride of 0, or e.g. strides ``(1, 1)``).
+            ValueError: ``x`` or ``out`` is on another device, ``out`` does not match ``x``, ``out``'s
+                strides let two elements share memory (a stride of 0, or e.g. strides ``(1, 1)``), or
+                ``out`` is a lazily negated view (``torch._neg_view``).
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call);
                 :class:`PeerMismatchError` when it made a different call.
         """
         op = "all_reduce"
         key = call_cache.all_reduce_key(x, out, self.algorithm)
-        entry = self._calls.get(key)
+        try:
+            entry = self._calls.lookup(key)
+        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+            entry = None
         if entry is not None and not self._closed:
-            y = call_cache.all_reduce_hit(self, entry, x, out)
+            y = entry.hit(self, x, out)
             if y is not None:
                 return y
         self._check_open(op)
@@ -294,7 +298,7 @@ class Communicator:
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(out.shape))
         elif launched is not None:
-            self._remember(key, launched, (x, out), (), (None if given else out,))
+            self._remember(key, launched, (x, out), call_cache.all_reduce_spec(x, out, given))
         return out
 
     def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -374,17 +378,20 @@ class Communicator:
                 is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``, ``scale``
                 missing, of more than one element, on another device or, on CPU, not finite and positive,
                 ``scale`` without ``fp8_static`` or ``scales_out`` with it), or a
-                given output has the wrong shape, dtype or layout, or overlaps an input or another output.
+                given output has the wrong shape, dtype or layout, is a lazily negated view, or overlaps an
+                input or another output.
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
         op = "fused_add_rmsnorm"
         key = call_cache.fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size,
                                    column_major_scales, emit_unquantized, out, residual_out, q_out, scales_out,
                                    self.algorithm, scale, swizzled_scales)
-        entry = self._calls.get(key)
+        try:
+            entry = self._calls.lookup(key)
+        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+            entry = None
         if entry is not None and not self._closed:
-            outs = call_cache.fused_hit(self, entry, x, residual, weight, out, residual_out, q_out, scales_out,
-                                        scale)
+            outs = entry.hit(self, x, residual, weight, out, residual_out, q_out, scales_out, scale)
             if outs is not None:
                 return outs
         self._check_open(op)
@@ -452,10 +459,11 @@ class Communicator:
         self._run_rows(op, plan, xc, out, rc, residual_out, wc, T, H, eps, norm=True, gemma=gemma,
                        quant=launch_quant, record=launched)
         if launched is not None:
-            new = [None if g is not None else t for t, g in zip(outputs, given)]  # static: scales None
-            self._remember(key, launched, (x, residual, weight, out, residual_out,
-                                           launch_quant and launch_quant.q, launch_quant and launch_quant.scales,
-                                           scale), (quant, emit_unquantized, swizzled_scales), (new + [None, None])[:4])
+            tensors = (x, residual, weight, out, residual_out, launch_quant and launch_quant.q,
+                       launch_quant and launch_quant.scales, scale)
+            passed = tuple(g is not None for g in given) + (False,) * (4 - len(given))
+            self._remember(key, launched, tensors, call_cache.fused_spec(
+                tensors, (outputs + (None, None))[:4], passed, quant, emit_unquantized, swizzled_scales, self._cuda))
         return result()
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -478,9 +486,14 @@ class Communicator:
         """
         op = "all_gather"
         key = call_cache.dim_key(op, x, dim, self.algorithm)
-        entry = self._calls.get(key)
+        try:
+            entry = self._calls.lookup(key)
+        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+            entry = None
         if entry is not None and not self._closed:
-            return call_cache.gather_hit(self, entry, x)
+            y = entry.hit(self, x)
+            if y is not None:
+                return y
         self._check_open(op)
         validate.check_tensor(op, "x", x, self.device)
         dim = validate.check_dim(op, x, dim)
@@ -515,7 +528,7 @@ class Communicator:
         self._run(op, chunks.gather_launches(self.workspace, src, dst, n, str(x.dtype), self._signer(op), call),
                   launched)
         if launched is not None:
-            self._remember(key, launched, (x, out), (), (out,))
+            self._remember(key, launched, (x, out), call_cache.dim_spec(op, x, out))
         return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -542,9 +555,14 @@ class Communicator:
         """
         op = "reduce_scatter"
         key = call_cache.dim_key(op, x, dim, self.algorithm)
-        entry = self._calls.get(key)
+        try:
+            entry = self._calls.lookup(key)
+        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+            entry = None
         if entry is not None and not self._closed:
-            return call_cache.scatter_hit(self, entry, x)
+            y = entry.hit(self, x)
+            if y is not None:
+                return y
         self._check_open(op)
         validate.check_tensor(op, "x", x, self.device)
         validate.check_summable(op, x)
@@ -581,7 +599,7 @@ class Communicator:
                                                False, False, None, self._signer(op), scatter_only=True, call=call),
                   launched)
         if launched is not None:
-            self._remember(key, launched, (x, out), (), (out,))
+            self._remember(key, launched, (x, out), call_cache.dim_spec(op, x, out))
         return out
 
     def _integer_sum(self, op: str, x: torch.Tensor, call: tuple) -> torch.Tensor:
@@ -662,10 +680,10 @@ class Communicator:
         if self._record is not None:
             self._record.append((call, compiled))
 
-    def _remember(self, key, launched: list, tensors: tuple, spec: tuple, outputs: tuple) -> None:
+    def _remember(self, key, launched: list, tensors: tuple, spec) -> None:
         """Cache the launches ``launched`` of the call with ``key`` (:mod:`tpcomm.call_cache`), each tensor
-        parameter a slot of ``tensors``; ``outputs``: the tensors the call allocated (None where given),
-        whose layouts a repeated call allocates. A call whose launches take other tensors is not cached."""
+        parameter a slot of ``tensors``; ``spec``: what a repeat does (:class:`~tpcomm.hit_code.HitSpec`).
+        A call whose launches take other tensors is not cached."""
         with self._lock:
             ws = self.workspace
             if ws is None:  # closed meanwhile
@@ -674,22 +692,8 @@ class Communicator:
                                                             ws.state, ws.err), self._direct,
                                         self.device.index)
             if replays is not None:
-                self._calls.put(key, call_cache.CachedCall(replays, spec, outputs, tensors, self._cuda))
-
-    def _replay(self, op: str, entry, tensors, ptrs) -> None:
-        """Launch a cached call's replays with ``tensors`` (their addresses ``ptrs``, read once by the
-        caller) under :meth:`_launching`'s checks and ordering, without its generator."""
-        with self._lock:
-            if self._closed:
-                self._check_open(op)
-            err = self.workspace._err_words  # the error words (Workspace.error_code without the call)
-            if err[0]:
-                self.check(op)
-            stream = self._order_streams() if self._cuda else None
-            for replay in entry.replays:
-                replay.launch(tensors, stream, ptrs)
-            if err[0]:
-                self.check(op)
+                self._calls.put(key, call_cache.CachedCall(replays, spec, tensors, self._lock, ws._err_words,
+                                                           self._cuda, self.device.index))
 
     def _sign(self, op: str, *fields) -> int:
         """The signature of one launch of ``op`` (:func:`~tpcomm.kernels.sync.call_signature`), cached per

@@ -116,9 +116,18 @@ def check_dim(op: str, x: torch.Tensor, dim) -> int:
     return int(dim) % x.dim()
 
 
+def _check_not_negated(op: str, name: str, t: torch.Tensor) -> None:
+    """An output without the negative bit: the kernels write its memory, which such a view reads negated."""
+    if t.is_neg():
+        raise ValueError(f"{op}: {name} is a lazily negated view (its negative bit is set, e.g. from "
+                         "torch._neg_view); the kernels write memory, which it reads negated: pass a tensor "
+                         "without the bit")
+
+
 def check_all_reduce_out(op: str, x: torch.Tensor, out: torch.Tensor, device: torch.device) -> None:
-    """``out`` of ``all_reduce``: ``x``'s shape and dtype, distinct elements."""
+    """``out`` of ``all_reduce``: ``x``'s shape and dtype, distinct elements, no negative bit."""
     check_tensor(op, "out", out, device)
+    _check_not_negated(op, "out", out)
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype} but x has "
                          f"{tuple(x.shape)} and {x.dtype}")
@@ -167,6 +176,7 @@ def check_fused_inputs(op: str, x, residual, weight, eps, gemma, emit_unquantize
 
 def _check_output(op: str, name: str, t, shape, dtype, device: torch.device) -> None:
     check_tensor(op, name, t, device)
+    _check_not_negated(op, name, t)
     if t.shape != shape or t.dtype != dtype:
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)} and dtype {t.dtype}; expected "
                          f"{tuple(shape)} and {dtype}")
@@ -207,6 +217,7 @@ def check_fp8_outputs(op: str, x, quant, q_out, scales_out, expected_scales: tor
         _check_output(op, "q_out", q_out, x.shape if q_shape is None else q_shape, fp8_dtype, device)
     if scales_out is not None:
         check_tensor(op, "scales_out", scales_out, device)
+        _check_not_negated(op, "scales_out", scales_out)
         shape, strides = tuple(expected_scales.shape), expected_scales.stride()
         if scales_out.dtype != expected_scales.dtype or tuple(scales_out.shape) != shape:
             raise ValueError(f"{op}: scales_out has shape {tuple(scales_out.shape)} and dtype {scales_out.dtype}; "
