@@ -169,7 +169,8 @@ def main():
                                                      replay.compiled.packed_metadata)
                             elif not direct:
                                 replay.direct = False
-                        entry.direct = direct and all(r.direct for r in entry.replays)
+                        if hasattr(entry, "rebuild"):  # the repeat's code follows its replays
+                            entry.rebuild()
                 timed = dict(ops, **(peer if direct else {}))
                 samples = {name: [] for name in timed}
                 samples["torch add_"] = []

@@ -41,6 +41,7 @@ def _replay_as_on_cuda(comm) -> None:
     for entry in comm._calls._entries.values():
         for replay in entry.replays:
             replay.bind_launcher(_no_launcher, 0, None)
+        entry.rebuild()
 
 
 def body(rank, world, calls):

@@ -48,6 +48,18 @@ def _no_launcher(*args):
     return None
 
 
+def _set_launchers(entries, launchers) -> None:
+    """Give each replay its ``(replay, run, raw)`` launcher, then write the entries' repeats again (where
+    the tree's entries write code for their launchers)."""
+    for rp, run, raw in launchers:
+        rp._run = run
+        if hasattr(type(rp), "_raw"):
+            rp._raw = raw
+    for e in entries:
+        if hasattr(e, "rebuild"):
+            e.rebuild()
+
+
 def main():
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
@@ -92,10 +104,15 @@ def main():
                 continue
             rps = [e[0].replays[0] for e in per_rank]
 
-            def launch(r, rps=rps):  # the launcher alone, with the parameters of the rank's last call
+            def launch(r, rps=rps):  # the launcher alone (as a replay calls it), the rank's last call's parameters
                 rp = rps[r]
-                rp._run(rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, rp._meta, None, None,
-                        None, *rp._params)
+                raw = getattr(rp, "_raw", None)
+                if raw is None:
+                    rp._run(rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, rp._meta, None, None,
+                            None, *rp._params)
+                else:
+                    raw[0](rp.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), rp._function, raw[1], raw[2], None,
+                           None, rp._meta, None, None, None, *rp._params)
             tensors = sum(isinstance(v, torch.Tensor) for v in rps[0]._params)
             parts[f"{name}: launcher alone ({len(rps[0]._params)} params, {tensors} tensors)"] = launch
         # FlashInfer's TRT-LLM calls, outputs given (host_loopback.py's, checked there), where installed
@@ -106,14 +123,13 @@ def main():
             for name, fn in parts.items():
                 if isinstance(fn, tuple):  # tpcomm's Python alone: every recorded launcher a no-op
                     fn = fn[1]
-                    saved = [(rp, rp._run) for rk in ranks for e in rk._calls._entries.values() for rp in e.replays]
-                    for rp, _ in saved:
-                        rp._run = _no_launcher
+                    entries = [e for rk in ranks for e in rk._calls._entries.values()]
+                    saved = [(rp, rp._run, getattr(rp, "_raw", None)) for e in entries for rp in e.replays]
+                    _set_launchers(entries, [(rp, _no_launcher, None) for rp, _, _ in saved])
                     try:
                         samples[name].append(both_ranks(ranks, fn, a.calls))
                     finally:
-                        for rp, run in saved:
-                            rp._run = run
+                        _set_launchers(entries, saved)
                 else:
                     samples[name].append(both_ranks(ranks, fn, a.calls))
         add = statistics.median(samples["torch add_"])

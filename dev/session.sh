@@ -33,7 +33,8 @@
 #                                        # (HIDDEN, TOKENS) of each tree in turn, TRT-LLM beside the first
 #                                        # (BENCH=0: none);
 #                                        # HOST=1: then the eager host path of each tree
-#                                        # (benchmarks/host_profile.py) and of every op (host_loopback.py);
+#                                        # (benchmarks/host_profile.py), then of every op of each tree
+#                                        # (host_loopback.py);
 #                                        # TESTS=1: then the loopback and FP8 GPU tests
 #   bash dev/session.sh forms     # ONE GPU (carry [".whl-hf"]): the quant forms bench in loopback, then
 #                                        # tpcomm demo --model llama and gemma on loopback ranks
@@ -239,9 +240,12 @@ ab)
             (cd $tree && with_flashinfer timeout 120 python3 $ROOT/benchmarks/host_profile.py > $W/host_profile-$name.log 2>&1
              echo "host_profile-$name rc=$?" >> $W/summary.txt)
         done
-        with_flashinfer timeout ${HOST_S:-150} python3 benchmarks/host_loopback.py --calls 200 --rounds 5 \
-            --out $W/host_loopback.json > $W/host_loopback.log 2>&1
-        echo "host_loopback rc=$?" >> $W/summary.txt
+        for tree in ${TREES:-.}; do  # every op's host time, each tree in turn (the first tree's is host_loopback.json)
+            name=$(basename $(cd $tree && pwd)); [ "$tree" = . ] && suffix= || suffix=-$name
+            (cd $tree && with_flashinfer timeout ${HOST_S:-150} python3 $ROOT/benchmarks/host_loopback.py --calls 200 \
+                --rounds 5 --out $W/host_loopback$suffix.json > $W/host_loopback$suffix.log 2>&1
+             echo "host_loopback$suffix rc=$?" >> $W/summary.txt)
+        done
     fi
     [ "${TESTS:-0}" = 1 ] && one_gpu_tests 240 ;;
 forms)

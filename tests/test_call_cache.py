@@ -138,6 +138,7 @@ class _Replay:
     def __init__(self, slots, direct):
         self.grid, self.slots, self.direct = 3, slots, direct
         self._params, self._function, self._meta = [0] * 4 + ["constant"], "function", "metadata"
+        self._raw = None  # a launcher called as compiled.run is (not the module's own launch)
         self.log = []
 
     def launch(self, tensors, stream, ptrs):

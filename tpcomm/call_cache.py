@@ -68,14 +68,21 @@ class CachedCall:
         source: the text of ``hit``.
     """
 
-    __slots__ = ("replays", "spec", "hit", "source")
+    __slots__ = ("replays", "spec", "hit", "source", "_facts")
 
     def __init__(self, replays: tuple, spec: HitSpec, tensors: tuple, lock, err, cuda: bool,
                  device_index: int | None = None):
         self.replays, self.spec = replays, spec
         nbytes = tuple(0 if t is None else t.nbytes for t in tensors)
         residues = tuple(0 if t is None else t.data_ptr() & 15 for t in tensors) if cuda else None
-        self.hit, self.source = compile_hit(spec, replays, nbytes, residues, lock, err, device_index)
+        self._facts = (nbytes, residues, lock, err, device_index)  # the recording's: no tensor kept
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Write :attr:`hit` again from the replays as they are now (after a launcher was bound to one,
+        :meth:`~tpcomm.kernels.launch.Replay.bind_launcher`, or a replay was sent through ``kernel[grid]``
+        by setting its ``direct`` to False)."""
+        self.hit, self.source = compile_hit(self.spec, self.replays, *self._facts)
 
     @property
     def direct(self) -> bool:
@@ -198,21 +205,21 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
             return key + ("outputs", out.shape, out.dtype, out.is_contiguous(), out.device, "residual in place")
         return key + ("outputs", out.shape, out.dtype, out.is_contiguous(), out.device, residual_out.shape,
                       residual_out.dtype, residual_out.is_contiguous(), residual_out.device)
-    key += ("outputs",)
-    for t in (out, residual_out, q_out):
-        if t is None:
-            key += (None,)
-        elif t.__class__ not in _PLAIN or t.is_neg():
+    for t in (out, residual_out, q_out, scales_out):
+        if t is not None and (t.__class__ not in _PLAIN or t.is_neg()):
             return None
-        elif t is residual and t is residual_out:
-            key += ("residual in place",)
-        else:
-            key += (t.shape, t.dtype, t.is_contiguous(), t.device)
-    if scales_out is None:
-        return key + (None, None)
-    if scales_out.__class__ not in _PLAIN or scales_out.is_neg():
-        return None
-    return key + (scales_out.shape, scales_out.dtype, scales_out.stride(), scales_out.device)
+    ro = residual_out is not None and residual_out is not residual  # with its own layout
+    return key + ("outputs",
+                  None if out is None else out.shape, None if out is None else out.dtype,
+                  None if out is None else out.is_contiguous(), None if out is None else out.device,
+                  "residual in place" if residual_out is not None and not ro else None,
+                  residual_out.shape if ro else None, residual_out.dtype if ro else None,
+                  residual_out.is_contiguous() if ro else None, residual_out.device if ro else None,
+                  None if q_out is None else q_out.shape, None if q_out is None else q_out.dtype,
+                  None if q_out is None else q_out.is_contiguous(), None if q_out is None else q_out.device,
+                  None if scales_out is None else scales_out.shape, None if scales_out is None else scales_out.dtype,
+                  None if scales_out is None else scales_out.stride(),
+                  None if scales_out is None else scales_out.device)
 
 
 def dim_key(op: str, x, dim, algorithm: str) -> tuple | None:

@@ -18,8 +18,10 @@ lock it raises on a closed communicator and on a recorded error (before and afte
 CUDA orders the current stream after the previous call's, as every call does. A replay launches through
 the compiled kernel's launcher when it is direct, Triton's launch hooks run nothing and the recording
 device is current (:meth:`tpcomm.kernels.launch.Replay.launch`'s rule), through ``Replay.launch``
-otherwise; its ``_run``, ``_function`` and ``_meta`` are read at each launch, so a launcher bound later
-(:meth:`~tpcomm.kernels.launch.Replay.bind_launcher`) is the one called.
+otherwise. A direct replay's launcher, function, metadata and parameter list are constants of the code
+(the module's own launch where :func:`~tpcomm.kernels.launch.raw_launch` finds one): after
+:meth:`~tpcomm.kernels.launch.Replay.bind_launcher`, :meth:`tpcomm.call_cache.CachedCall.rebuild` writes
+the code again.
 """
 
 from __future__ import annotations
@@ -163,18 +165,24 @@ def compile_hit(spec: HitSpec, replays: tuple, nbytes: tuple, residues: tuple | 
         code.append("        stream = None")
     tensors = "(" + ", ".join(t[j] or "None" for j in range(n)) + ",)"
     ptrs = "(" + ", ".join(p[j] or "0" for j in range(n)) + ",)"
-    if len(replays) > 1:
+    if len(replays) > 1 and any(r.direct for r in replays):
         code.append(f"        direct = {_IDLE_HOOKS} and CUR() == IDX")
     for i, replay in enumerate(replays):
         consts[f"R{i}"], consts[f"G{i}"] = replay, replay.grid
-        if len(replays) > 1:
-            code.append(f"        if direct and R{i}.direct:")
-        else:
-            code.append(f"        if R{i}.direct and {_IDLE_HOOKS} and CUR() == IDX:")
-        code.append(f"            P = R{i}._params")
+        if not replay.direct:
+            code.append(f"        R{i}.launch({tensors}, stream, {ptrs})")
+            continue
+        consts.update({f"P{i}": replay._params, f"F{i}": replay._function, f"M{i}": replay._meta})
+        code.append("        if direct:" if len(replays) > 1 else f"        if {_IDLE_HOOKS} and CUR() == IDX:")
         for param, slot in replay.slots:
-            code.append(f"            P[{param}] = {p[slot]}")
-        code.append(f"            R{i}._run(G{i}, 1, 1, stream, R{i}._function, R{i}._meta, None, None, None, *P)")
+            code.append(f"            P{i}[{param}] = {p[slot]}")
+        if replay._raw is not None:  # the module's own launch: flags and scratch pointers before the metadata
+            consts[f"RUN{i}"], consts[f"C{i}"], consts[f"D{i}"] = replay._raw
+            code.append(f"            RUN{i}(G{i}, 1, 1, stream, F{i}, C{i}, D{i}, None, None, M{i}, None, None, None, "
+                        f"*P{i})")
+        else:
+            consts[f"RUN{i}"] = replay._run
+            code.append(f"            RUN{i}(G{i}, 1, 1, stream, F{i}, M{i}, None, None, None, *P{i})")
         code.append("        else:")
         code.append(f"            R{i}.launch({tensors}, stream, {ptrs})")
     code.append("        if ERR[0]:")

@@ -166,6 +166,39 @@ def device_address(t: torch.Tensor) -> int | None:
     return out.value
 
 
+#: The call a Triton 3.6 ``CudaLauncher.__call__`` makes after allocating its scratch buffers (None for
+#: kernels without scratch): the compiled module's ``launch`` with the cooperative and PDL flags and the two
+#: scratch pointers inserted before the packed metadata, the launch metadata, the hooks and the parameters.
+_RAW_LAUNCH = ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+               "global_scratch, profile_scratch, *args)")
+
+
+@functools.lru_cache(maxsize=8)
+def _raw_launch_form(launcher_type) -> bool:
+    """Whether ``launcher_type.__call__`` (a compiled kernel's launcher class) only allocates scratch and
+    then calls ``self.launch`` as :data:`_RAW_LAUNCH` says (read from its source once per class)."""
+    try:
+        source = " ".join(inspect.getsource(launcher_type.__call__).split())
+    except Exception:
+        return False
+    return source.startswith("def __call__(self, gridX, gridY, gridZ, stream, function, *args):") and \
+        _RAW_LAUNCH in source
+
+
+def raw_launch(run):
+    """``(launch, cooperative, pdl)``: the compiled module's own launch function behind the launcher
+    ``run`` and the two flags it inserts, where ``run`` is a launcher of the form :func:`_raw_launch_form`
+    recognises for a kernel without global or profile scratch; else None (call ``run`` itself). Calling
+    ``launch`` directly skips the launcher's Python frame and its two scratch allocations, which
+    return None for such a kernel."""
+    try:
+        if not _raw_launch_form(type(run)) or run.global_scratch_size or run.profile_scratch_size:
+            return None
+        return run.launch, run.launch_cooperative_grid, run.launch_pdl
+    except Exception:  # another launcher: call it
+        return None
+
+
 def _idle(hook) -> bool:
     """Whether a launch hook of ``triton.knobs.runtime`` runs nothing: None, or (Triton 3.5+, where each
     hook is a ``HookChain``) a chain without calls. Anything else (a profiler's hook) sends a replay
@@ -191,7 +224,7 @@ class Replay:
     """
 
     __slots__ = ("kernel", "grid", "options", "slots", "compiled", "direct", "device_index", "_template",
-                 "_dtypes", "_params", "_function", "_run", "_meta", "_hooks", "_sources", "_targets",
+                 "_dtypes", "_params", "_function", "_run", "_raw", "_meta", "_hooks", "_sources", "_targets",
                  "_current_device")
 
     def __init__(self, call: KernelCall, slots: tuple, compiled, direct: bool, device_index: int | None = None):
@@ -217,8 +250,9 @@ class Replay:
         parameters as addresses: the slots', the workspace's device tables' and the pinned error words'
         (the launcher asks the driver to translate each tensor it is given, a driver call per tensor
         and launch; here the error words are translated once, :func:`device_address`, and stay a
-        tensor only where the driver cannot say). The tables and the error words outlive the cache,
-        which the communicator clears before it frees them."""
+        tensor only where the driver cannot say). Where ``run`` is a launcher whose own launch function
+        can be called directly (:func:`raw_launch`), that function is called. The tables and the error
+        words outlive the cache, which the communicator clears before it frees them."""
         from triton import knobs
 
         self.direct = True
@@ -226,6 +260,7 @@ class Replay:
         # the current CUDA device's index (0.1 µs; torch.cuda.current_device is a Python wrapper of it)
         self._current_device = getattr(torch._C, "_cuda_getDevice", lambda: None)
         self._run, self._function, self._meta = run, function, packed_metadata
+        self._raw = raw_launch(run)  # (launch, cooperative, pdl): the module's launch, called directly
         for i, _ in self.slots:
             self._params[i] = 0
         for i, p in enumerate(self._params):  # the workspace's tensors: their addresses, read once
@@ -250,7 +285,12 @@ class Replay:
                 ptr = tensors[j].data_ptr() if ptrs is None else ptrs[j]
                 for i in targets:
                     params[i] = ptr
-            self._run(self.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
+            raw = self._raw
+            if raw is None:
+                self._run(self.grid, 1, 1, stream, self._function, self._meta, None, None, None, *params)
+            else:
+                raw[0](self.grid, 1, 1, stream, self._function, raw[1], raw[2], None, None, self._meta, None, None,
+                       None, *params)
             return
         params = list(self._template)
         for i, j in self.slots:
