@@ -205,6 +205,14 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
             return key + ("outputs", out.shape, out.dtype, out.is_contiguous(), out.device, "residual in place")
         return key + ("outputs", out.shape, out.dtype, out.is_contiguous(), out.device, residual_out.shape,
                       residual_out.dtype, residual_out.is_contiguous(), residual_out.device)
+    if out is None and residual_out is not None and q_out is not None and scales_out is not None \
+            and residual_out is not residual:  # the quantised forms' common one
+        if residual_out.__class__ not in _PLAIN or q_out.__class__ not in _PLAIN or scales_out.__class__ not in _PLAIN \
+                or residual_out.is_neg() or q_out.is_neg() or scales_out.is_neg():
+            return None
+        return key + ("quantised outputs", residual_out.shape, residual_out.dtype, residual_out.is_contiguous(),
+                      residual_out.device, q_out.shape, q_out.dtype, q_out.is_contiguous(), q_out.device,
+                      scales_out.shape, scales_out.dtype, scales_out.stride(), scales_out.device)
     for t in (out, residual_out, q_out, scales_out):
         if t is not None and (t.__class__ not in _PLAIN or t.is_neg()):
             return None
