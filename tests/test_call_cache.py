@@ -277,3 +277,35 @@ def test_close_from_another_thread_during_a_call(pool2):
 
 def test_negative_bit_views_are_summed_as_their_values(pool2):
     _assert_all(pool2.run(cases.negative_view_case))
+
+
+class _Launcher36:
+    """A launcher of Triton 3.6's form (its ``__call__`` as there)."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def launch(self, *args):
+        return args
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+class _OtherLauncher(_Launcher36):
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, kernel_metadata, *args)
+
+
+def test_the_modules_own_launch_only_behind_a_launcher_it_recognises():
+    """A direct replay calls the module's launch itself only behind a launcher whose call is Triton 3.6's
+    (flags and scratch pointers inserted, nothing else) and only for a kernel without scratch."""
+    from tpcomm.kernels.launch import raw_launch
+
+    run = _Launcher36()
+    assert raw_launch(run) == (run.launch, False, True)
+    run.global_scratch_size = 64
+    assert raw_launch(run) is None
+    assert raw_launch(_OtherLauncher()) is None and raw_launch(lambda *a: None) is None

@@ -260,7 +260,7 @@ class Communicator:
         key = call_cache.all_reduce_key(x, out, self.algorithm)
         try:
             entry = self._calls.lookup(key)
-        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+        except TypeError:  # an unhashable argument (e.g. a list for a scalar): the full path names it
             entry = None
         if entry is not None and not self._closed:
             y = entry.hit(self, x, out)
@@ -388,7 +388,7 @@ class Communicator:
                                    self.algorithm, scale, swizzled_scales)
         try:
             entry = self._calls.lookup(key)
-        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+        except TypeError:  # an unhashable argument (e.g. a list for a scalar): the full path names it
             entry = None
         if entry is not None and not self._closed:
             outs = entry.hit(self, x, residual, weight, out, residual_out, q_out, scales_out, scale)
@@ -488,7 +488,7 @@ class Communicator:
         key = call_cache.dim_key(op, x, dim, self.algorithm)
         try:
             entry = self._calls.lookup(key)
-        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+        except TypeError:  # an unhashable argument (e.g. a list for a scalar): the full path names it
             entry = None
         if entry is not None and not self._closed:
             y = entry.hit(self, x)
@@ -557,7 +557,7 @@ class Communicator:
         key = call_cache.dim_key(op, x, dim, self.algorithm)
         try:
             entry = self._calls.lookup(key)
-        except TypeError:  # an unhashable argument (e.g. eps=[1e-6]): the full path names it
+        except TypeError:  # an unhashable argument (e.g. a list for a scalar): the full path names it
             entry = None
         if entry is not None and not self._closed:
             y = entry.hit(self, x)
