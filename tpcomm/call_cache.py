@@ -195,7 +195,8 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
     if scale is not None:  # a static scale: its layout
         if scale.__class__ not in _PLAIN or scale.is_neg():
             return None
-        key += ("scale", scale.shape, scale.dtype, scale.stride(), scale.device)
+        key += ("scale", scale.shape, scale.dtype, scale.stride(), scale.device, scale is x, scale is residual,
+                scale is weight)
     if out is None and residual_out is None and q_out is None and scales_out is None:
         return key
     if q_out is None and scales_out is None and out is not None and residual_out is not None:  # the common form
@@ -282,7 +283,8 @@ def fused_spec(tensors: tuple, returned: tuple, given: tuple, quant: str | None,
     result = (3, 4) if quant is None else (5, 6, 4, 3 if emit_unquantized else None)
     return HitSpec("fused_add_rmsnorm", FUSED_ARGS, tuple(sources), given=outputs,
                    inputs=tuple(j for j in (0, 1, 2, 7) if tensors[j] is not None), in_place=in_place,
-                   result=result, positive_scale=7 if scale is not None and not cuda else None)
+                   result=result, positive_scale=7 if scale is not None and not cuda else None,
+                   static_scale=quant == "fp8_static")
 
 
 def dim_spec(op: str, x, out) -> HitSpec:

@@ -55,6 +55,7 @@ class HitSpec:
         single: return ``result[0]`` itself rather than a tuple.
         positive_scale: the slot of a CPU scale that must be finite and positive (read on the host, as the
             full path reads it), or None.
+        static_scale: that scale is a static FP8 one, whose float32 reciprocal must be finite too.
     """
 
     op: str
@@ -66,6 +67,7 @@ class HitSpec:
     result: tuple = ()
     single: bool = False
     positive_scale: int | None = None
+    static_scale: bool = False
 
 
 #: Triton's launch hooks run nothing (:func:`tpcomm.kernels.launch._idle` of both, inline): None, or a
@@ -95,9 +97,12 @@ def compile_hit(spec: HitSpec, replays: tuple, nbytes: tuple, residues: tuple | 
     consts = {"LOCK": lock, "ERR": memoryview(err), "OP": spec.op, "INF": float("inf"), "EMPTY_LIKE": torch.empty_like,
               "EMPTY_STRIDED": torch.empty_strided, "ZEROS": torch.zeros, "IDX": device_index,
               "CUR": getattr(torch._C, "_cuda_getDevice", lambda: None), "RAW": _raw_stream()}
-    from triton import knobs
+    try:
+        from triton import knobs
 
-    consts["HOOKS"] = knobs.runtime
+        consts["HOOKS"] = knobs.runtime
+    except ImportError:  # a Triton without knobs has no direct replays (Replay.bind_launcher needs them)
+        consts["HOOKS"] = None
     try:
         from triton.knobs import HookChain
     except ImportError:  # Triton before 3.5: a hook is None or a function
@@ -111,7 +116,12 @@ def compile_hit(spec: HitSpec, replays: tuple, nbytes: tuple, residues: tuple | 
         if src is not None and src[0] == "arg":
             t[j] = src[1]
     if spec.positive_scale is not None:
-        code.append(f"    if not 0.0 < float({t[spec.positive_scale]}.reshape(())) < INF:")
+        scale = t[spec.positive_scale]
+        test = f"not 0.0 < float({scale}.reshape(())) < INF"
+        if spec.static_scale:  # as the full path: a float32 reciprocal that overflows is refused
+            consts["RECIPROCAL_INF"] = lambda v: bool(torch.isinf(torch.reciprocal(v.detach().reshape(()))))
+            test += f" or RECIPROCAL_INF({scale})"
+        code.append(f"    if {test}:")
         code.append("        return None")
     for j in range(n):
         if t[j] is not None:
@@ -177,9 +187,9 @@ def compile_hit(spec: HitSpec, replays: tuple, nbytes: tuple, residues: tuple | 
         for param, slot in replay.slots:
             code.append(f"            P{i}[{param}] = {p[slot]}")
         if replay._raw is not None:  # the module's own launch: flags and scratch pointers before the metadata
-            consts[f"RUN{i}"], consts[f"C{i}"], consts[f"D{i}"] = replay._raw
-            code.append(f"            RUN{i}(G{i}, 1, 1, stream, F{i}, C{i}, D{i}, None, None, M{i}, None, None, None, "
-                        f"*P{i})")
+            consts[f"RUN{i}"], consts[f"COOP{i}"], consts[f"PDL{i}"] = replay._raw
+            code.append(f"            RUN{i}(G{i}, 1, 1, stream, F{i}, COOP{i}, PDL{i}, None, None, M{i}, None, None, "
+                        f"None, *P{i})")
         else:
             consts[f"RUN{i}"] = replay._run
             code.append(f"            RUN{i}(G{i}, 1, 1, stream, F{i}, M{i}, None, None, None, *P{i})")
