@@ -309,3 +309,24 @@ def test_the_modules_own_launch_only_behind_a_launcher_it_recognises():
     run.global_scratch_size = 64
     assert raw_launch(run) is None
     assert raw_launch(_OtherLauncher()) is None and raw_launch(lambda *a: None) is None
+
+
+def test_a_repeat_allocates_with_its_layout_beside_raw_launches():
+    """Two replays through the module's own launch beside a new output: each launch gets its own flags
+    and the output its own dtype (the generated code's names do not collide)."""
+    import threading
+
+    from tpcomm.hit_code import HitSpec, compile_hit
+
+    replays = []
+    for _ in range(2):
+        r = _Replay(((0, 0), (1, 1)), True)
+        r._raw = (lambda *args, r=r: r.log.append(args[5:7]), False, True)
+        replays.append(r)
+    spec = HitSpec("reduce_scatter", ("x",), (("arg", "x"), ("new", ((2, 4), (4, 1), torch.bfloat16,
+                                                                     torch.device("cpu")))), result=(1,), single=True)
+    hit, source = compile_hit(spec, tuple(replays), (64, 16), None, threading.Lock(), np.zeros(5, dtype=np.int32),
+                              None)
+    got = hit(_Comm(), torch.zeros(8, 4))
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 4), source
+    assert [r.log for r in replays] == [[(False, True)], [(False, True)]], source
