@@ -100,16 +100,6 @@ class CallCache:
         #: hashed. The dict's own ``get``: a method around it costs a tenth of a µs a call.
         self.lookup = self._entries.get
 
-    def get(self, key):
-        """The entry of ``key``, or None (also for a key that cannot be hashed: an argument of the wrong
-        type, which the full path then refuses)."""
-        if key is None:
-            return None
-        try:
-            return self._entries.get(key)
-        except TypeError:  # e.g. eps=[1e-6]: unhashable
-            return None
-
     def put(self, key, entry: CachedCall) -> None:
         entries = self._entries
         entries[key] = entry

@@ -3,7 +3,8 @@
 Every check raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong value, shape, device,
 layout) with a message that names the op and the argument. They run on a call's first occurrence of a
 key (:mod:`tpcomm.call_cache`); what they depend on is part of the key, except what depends on
-addresses (overlaps), which a repeated call checks again (:func:`overlapping`).
+addresses (overlaps), which a repeated call checks again in the code written for it
+(:mod:`tpcomm.hit_code`).
 """
 
 from __future__ import annotations

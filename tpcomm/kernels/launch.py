@@ -19,7 +19,8 @@ from another call's tensors (the cached path of :mod:`tpcomm.call_cache`). It la
   ``JITFunction.run`` does not launch this way (read from its source), or any step of that check is
   missing, the replay launches through ``kernel[grid]`` instead. Launch hooks (a profiler's: a hook
   chain with calls in it) and a current device other than the recording one also send a replay through
-  ``kernel[grid]``. What a direct replay does not redo: ``JITFunction.run``'s check that the globals a
+  ``kernel[grid]``. Behind Triton 3.6's launcher, for a kernel without scratch, the compiled module's own
+  ``launch`` is called instead of the launcher (:func:`raw_launch`). What a direct replay does not redo: ``JITFunction.run``'s check that the globals a
   kernel read have not changed (the kernels read only module constants), and its reading of ``knobs``
   (debug, instrumentation) after the launch was recorded.
 * **through** ``kernel[grid](...)`` everywhere else: the interpreter (CPU ranks), other Triton versions.
@@ -175,8 +176,8 @@ _RAW_LAUNCH = ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_c
 
 @functools.lru_cache(maxsize=8)
 def _raw_launch_form(launcher_type) -> bool:
-    """Whether ``launcher_type.__call__`` (a compiled kernel's launcher class) only allocates scratch and
-    then calls ``self.launch`` as :data:`_RAW_LAUNCH` says (read from its source once per class)."""
+    """Whether ``launcher_type.__call__`` (a compiled kernel's launcher class) has Triton 3.6's signature
+    and makes the call :data:`_RAW_LAUNCH` gives (read from its source once per class)."""
     try:
         source = " ".join(inspect.getsource(launcher_type.__call__).split())
     except Exception:
