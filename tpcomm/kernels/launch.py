@@ -20,9 +20,9 @@ from another call's tensors (the cached path of :mod:`tpcomm.call_cache`). It la
   missing, the replay launches through ``kernel[grid]`` instead. Launch hooks (a profiler's: a hook
   chain with calls in it) and a current device other than the recording one also send a replay through
   ``kernel[grid]``. Behind Triton 3.6's launcher, for a kernel without scratch, the compiled module's own
-  ``launch`` is called instead of the launcher (:func:`raw_launch`). What a direct replay does not redo: ``JITFunction.run``'s check that the globals a
-  kernel read have not changed (the kernels read only module constants), and its reading of ``knobs``
-  (debug, instrumentation) after the launch was recorded.
+  ``launch`` is called instead of the launcher (:func:`raw_launch`). What a direct replay does not redo:
+  ``JITFunction.run``'s check that the globals a kernel read have not changed (the kernels read only
+  module constants), and its reading of ``knobs`` (debug, instrumentation) after the launch was recorded.
 * **through** ``kernel[grid](...)`` everywhere else: the interpreter (CPU ranks), other Triton versions.
 """
 
