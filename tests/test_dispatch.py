@@ -33,6 +33,45 @@ def test_two_shot_row_config_keeps_the_tiles(H):
         assert two == base
 
 
+class _Slots:
+    """The two things ``all_reduce_width`` reads from a workspace: the grid cap and a half slot's size."""
+
+    def __init__(self, max_programs, half_slot=1 << 30):
+        self.max_programs, self.half_slot = max_programs, half_slot
+
+    def half_slot_elems(self, element_size):
+        return self.half_slot
+
+
+@pytest.mark.parametrize("programs", [1, 2, 33, 66, 264])
+@pytest.mark.parametrize("n", [1, 8, 2048, 4096, 6144, 8192, 16 * 6144, 64 * 4096, 64 * 6144, 256 * 8192])
+def test_lamport_all_reduce_rows(n, programs):
+    """A Lamport all-reduce takes the narrowest row that leaves no program more than one row; failing
+    that the fewer rows per program of 4096 and 8192 (4096 on a tie); other algorithms keep
+    ``ALL_REDUCE_ROW``."""
+    ws = _Slots(programs)
+    width = dispatch.all_reduce_width(n, 2, ws, "lamport")
+
+    def per_program(w):
+        return -(-(-(-n // w)) // programs)
+
+    fits = [w for w in dispatch.LAMPORT_ALL_REDUCE_ROWS if per_program(w) == 1]
+    if fits:
+        assert width == min(n, fits[0]) and per_program(width) == 1
+    else:
+        assert width in (4096, 8192) and per_program(width) == min(per_program(4096), per_program(8192))
+        assert width == 8192 or per_program(4096) <= per_program(8192)
+    assert dispatch.all_reduce_width(n, 2, ws, "one_shot") == min(n, dispatch.ALL_REDUCE_ROW)
+    assert dispatch.all_reduce_width(n, 2, _Slots(programs, half_slot=1000), "lamport") <= 992
+
+
+def test_lamport_all_reduce_rows_at_decode_sizes():
+    """The widths themselves where they were measured (2 loopback ranks of one H200: 66 programs)."""
+    ws = _Slots(66)
+    assert [dispatch.all_reduce_width(t * 6144, 2, ws, "lamport") for t in (1, 16, 64, 256)] == [2048, 2048, 8192,
+                                                                                                  8192]
+
+
 def test_row_config_rejects_empty_rows():
     with pytest.raises(ValueError, match="hidden"):
         dispatch.row_config(0, 4)

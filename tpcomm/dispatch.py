@@ -45,9 +45,8 @@ TWO_SHOT_GRID_FACTOR = 2
 #: Row width of a plain all-reduce, which treats a tensor of any shape as flat rows of this many
 #: elements (the result is elementwise, so the width never changes a bit).
 ALL_REDUCE_ROW = 4096
-#: Row width of a plain all-reduce that runs Lamport when it makes fewer rows per program than
-#: ``ALL_REDUCE_ROW`` (:func:`all_reduce_width`; docs/history/benchmarks-to-2026-12-02.md, "Decode kernels").
-LAMPORT_ALL_REDUCE_ROW = 8192
+#: Row widths of a plain all-reduce that runs Lamport, narrowest first (:func:`all_reduce_width`).
+LAMPORT_ALL_REDUCE_ROWS = (2048, 4096, 8192)
 
 
 @dataclass(frozen=True)
@@ -280,18 +279,22 @@ def is_integer(dtype: torch.dtype) -> bool:
 
 
 def all_reduce_width(n: int, element_size: int, workspace=None, algorithm: str = "") -> int:
-    """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``
-    (``LAMPORT_ALL_REDUCE_ROW`` for an all-reduce whose plan is ``algorithm="lamport"`` when that puts
-    fewer rows on each of the ``workspace``'s ``max_programs`` programs), or less so
+    """Row width of a plain all-reduce (or all-gather) of ``n`` elements: ``ALL_REDUCE_ROW``, or less so
     that one row fits a slot of a small ``workspace`` (then the call runs in chunks instead of falling
-    back). The result is elementwise, so the width never changes a bit."""
+    back). The result is elementwise, so the width never changes a bit.
+
+    An all-reduce whose plan is ``algorithm="lamport"`` takes the narrowest of ``LAMPORT_ALL_REDUCE_ROWS``
+    that gives every row a program of its own (the ``workspace``'s ``max_programs``): at one token a
+    row spread over several small programs, each thread on one 16-byte vector; when none does, the
+    one of the two widest that puts the fewest rows on a program, the narrower on a tie (docs/design.md,
+    "Lamport all-reduce rows")."""
     width = max(1, min(n, ALL_REDUCE_ROW))
-    if algorithm == "lamport" and workspace is not None:  # wider rows when that means fewer per program
+    if algorithm == "lamport" and workspace is not None:
         def rows_per_program(w: int) -> int:
             return -(-(-(-n // w)) // workspace.max_programs)  # ceil(ceil(n / w) / max_programs)
 
-        if rows_per_program(LAMPORT_ALL_REDUCE_ROW) < rows_per_program(width):
-            width = min(n, LAMPORT_ALL_REDUCE_ROW)
+        fits = [w for w in LAMPORT_ALL_REDUCE_ROWS if rows_per_program(w) == 1]
+        width = min(n, fits[0] if fits else min(LAMPORT_ALL_REDUCE_ROWS[1:], key=rows_per_program))
     if workspace is not None:
         width = min(width, max(16, workspace.half_slot_elems(element_size) // 16 * 16))
     return width

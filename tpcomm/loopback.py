@@ -15,11 +15,11 @@ For tests and kernel experiments on a one-GPU machine (``tests/test_gpu_loopback
 Limits:
   * The ranks' programs must be resident together, since a program that waits for a peer holds its SM
     until the peer's same program has run. A kernel's programs take up to one SM each (16 warps at 128
-    registers fill an H200 SM's register file), no launch has more programs than the grid cap (two-shot,
-    which may run twice the cap on several GPUs, ``dispatch.row_config``, runs the cap here), and with
-    programmatic dependent launch the next kernel of each rank can be resident too, waiting in
-    ``griddepcontrol.wait`` for the one before it: so ``max_programs`` defaults to the SM count over
-    ``2 * world_size`` (``world_size`` without PDL).
+    registers fill an H200 SM's register file) and no launch has more programs than the grid cap
+    (two-shot, which may run twice the cap on several GPUs, ``dispatch.row_config``, runs the cap here).
+    With programmatic dependent launch a rank's next kernel takes SMs only once every rank's programs
+    of the current call have started (``kernels/sync.release_next``), so ``max_programs`` defaults to
+    the SM count over ``world_size``.
   * Every rank must run the same kernel binaries: a rank whose launch loaded a new CUDA module while a
     peer's kernel was spinning would wait for that kernel to end (module loading waits for the GPU),
     and that kernel waits for it. So the kernels never specialise on ``rank`` (``do_not_specialize``),
@@ -85,8 +85,8 @@ def loopback_group(world_size: int, device: torch.device | str | None = None,
         device: the GPU (default: the current CUDA device).
         max_bytes: bytes one launch carries per rank (the Communicator's ``max_bytes``).
         timeout_s: seconds a kernel waits for a peer.
-        max_programs: grid cap; default ``SMs // (2 * world_size)`` with PDL, ``SMs // world_size``
-            without, so every rank's programs fit the GPU at once (module docstring).
+        max_programs: grid cap; default ``SMs // world_size``, so every rank's programs of one call fit
+            the GPU at once (module docstring).
         pdl: programmatic dependent launch; default: on where ``TPCOMM_PDL`` and the GPU allow it.
     Returns:
         ``world_size`` :class:`LoopbackRank`; close them with :func:`close_group` when done.
@@ -113,7 +113,7 @@ def loopback_group(world_size: int, device: torch.device | str | None = None,
                          "launch (needs compute capability 9.0+ and compiled kernels)")
     if max_programs is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        max_programs = max(1, sms // ((2 if pdl else 1) * world_size))
+        max_programs = max(1, sms // world_size)
     if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
         raise ValueError(f"loopback_group: max_programs must be an int >= 1, got {max_programs!r}")
     workspaces = Workspace.loopback(world_size, device, max_bytes, max_programs, timeout_s,

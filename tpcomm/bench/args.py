@@ -54,7 +54,7 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                         "(all-reduce, fused, fused FP8; bf16; graph mode; --world one size, default 2; --hidden "
                         "default 4096,6144,8192; --tokens default 1,16,64,256,1024,4096; TRT-LLM up to 64 tokens)")
     b.add_argument("--programs", type=positive_int, default=None,
-                   help="with --loopback: tpcomm's grid cap (default: tpcomm.loopback's, SMs / (2 x world))")
+                   help="with --loopback: tpcomm's grid cap (default: tpcomm.loopback's, SMs / world)")
 
 
 def run_bench(args: argparse.Namespace) -> int:

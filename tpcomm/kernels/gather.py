@@ -25,6 +25,7 @@ from .sync import (
     flag_offset,
     launch_timeout,
     own_ptr,
+    release_next,
     start_program,
     table_bases,
 )
@@ -65,6 +66,7 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
     timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
                              signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
+    release_next(PDL)  # every peer's programs of this call have started
 
     # 2. Copy every peer's rows out of this rank's receive buffer.
     recv = own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + base

@@ -64,6 +64,7 @@ from .sync import (
     record_error,
     record_lanes,
     record_timeout,
+    release_next,
     store_abort,
     table_bases,
     take_ticket,
@@ -273,6 +274,8 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                                      signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off,
                                      WORLD)
             s_pre = offs
+        if row == pid:  # the first row's wait has ended: every peer's programs of this call have started
+            release_next(PDL)
         reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride, in_scale_ptr,

@@ -33,6 +33,7 @@ from .sync import (
     flag_offset,
     launch_timeout,
     own_ptr,
+    release_next,
     start_program,
     table_bases,
 )
@@ -83,6 +84,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
                              signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
+    release_next(PDL)  # every peer's programs of this call have started
 
     # 3. Reduce in rank order and run the epilogue.
     recv = own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + par * parity_stride

@@ -42,8 +42,9 @@ Protocol:
     advances the epoch in one atomic when it ends, whose result nothing waits for. Every other program
     has read the epoch before that program's ticket, and the next launch on the stream sees the new
     value, so a launch of any grid size advances the epoch exactly once. With programmatic dependent
-    launch the next launch's programs may start early, but they read the state word only after
-    ``griddepcontrol.wait`` (:func:`start_program`), which returns once this launch has finished.
+    launch the next launch's programs may start once every program of this one has passed its first
+    wait (:func:`release_next`), but they read the state word only after ``griddepcontrol.wait``
+    (:func:`start_program`), which returns once this launch has finished.
 """
 
 import time
@@ -428,12 +429,26 @@ def launch_timeout(word, timeout):
 def wait_previous(PDL: tl.constexpr):
     """With ``PDL`` (the launch carries programmatic dependent launch, ``Workspace.pdl``): wait until
     the previous kernel on the stream has finished and its writes are visible (``griddepcontrol.wait``:
-    the epoch, the re-armed buffers, the input), then let the next kernel on the stream start launching
-    (``griddepcontrol.launch_dependents``; its programs wait here too). The next launch's set-up then
-    overlaps this kernel instead of following it. Nothing without ``PDL``. A kernel reads nothing the
-    previous one may write (its input, the state word, the buffers) before this."""
+    the epoch, the re-armed buffers, the input). Nothing without ``PDL``. A kernel reads nothing the
+    previous one may write (its input, the state word, the buffers) before this; :func:`release_next`
+    then lets the next kernel start launching."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def release_next(PDL: tl.constexpr):
+    """With ``PDL``: let the next kernel on the stream start launching (``griddepcontrol.launch_dependents``;
+    it launches once every program of this one has called this or ended, and its programs then wait in
+    :func:`wait_previous`), so that its set-up overlaps the rest of this kernel. Nothing without ``PDL``.
+
+    A program calls it after its first wait for every peer has ended, never before: the next kernel's
+    programs then hold SMs only once every peer's programs of this call have started. Ranks that share
+    one GPU (``tpcomm.loopback``) need that: a program released before its wait could hand an SM to the
+    next kernel that a peer's program of this call still needs to start, and the call would wait for
+    itself. So every rank's programs of one call, and no more, wait at once (docs/design.md, "The next
+    kernel released after the first wait")."""
+    if PDL:
         gdc_launch_dependents()
 
 

@@ -55,6 +55,7 @@ from .sync import (
     flag_offset,
     launch_timeout,
     own_ptr,
+    release_next,
     signal_peers,
     start_program,
     table_bases,
@@ -115,6 +116,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
                              signature,
                              rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
+    release_next(PDL)  # every peer's programs of this call have started
 
     # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
     #    reduce-scatter or a plain all-reduce; the epilogue's input otherwise) and to the second half of
