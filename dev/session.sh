@@ -222,7 +222,7 @@ decode7)
         fi
     done ;;
 ab)
-    # Kernel A/B: the decode bench (HIDDEN, TOKENS) of each tree of TREES in turn, the first with TRT-LLM
+    # Kernel A/B: the decode bench (HIDDEN, TOKENS, WORLD loopback ranks) of each tree of TREES in turn, the first with TRT-LLM
     # beside (carry [".whl"] and every tree: a copy of the package, e.g. `git archive <commit> tpcomm |
     # tar -x -C .old`); then, with TESTS=1, the loopback and FP8 GPU tests of this tree.
     first=1
@@ -230,7 +230,7 @@ ab)
         name=$(basename $(cd $tree && pwd))
         [ "$tree" = . ] || cp tpcomm/bench/loopback.py tpcomm/bench/args.py $tree/tpcomm/bench/
         if [ $first = 1 ]; then run=with_flashinfer; else run=env; fi; first=0
-        (cd $tree && $run timeout ${BENCH_S:-100} python3 -m tpcomm bench --loopback --hidden ${HIDDEN:-6144} \
+        (cd $tree && $run timeout ${BENCH_S:-100} python3 -m tpcomm bench --loopback --world ${WORLD:-2} --hidden ${HIDDEN:-6144} \
             --tokens ${TOKENS:-1,16,64} --json $W/bench-$name.json > $W/bench-$name.log 2>&1
          echo "bench-$name rc=$?" >> $W/summary.txt)
     done
