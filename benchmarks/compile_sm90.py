@@ -108,7 +108,9 @@ def variants() -> list[tuple]:
                                         job(lamport._lamport_kernel, t,
                                               dict(ce, VECTORS=vectors,
                                                    REARM_IN_SPIN=vectors and block // 8 >= 32 * warps,
-                                                   PREFETCH=vectors and norm and res), warps)))
+                                                   PREFETCH=vectors and norm and res,
+                                                   SPIN_PACK=2 if vectors and block // 8 >= 64 * warps else 1),
+                                                   warps)))
                     for scatter in (False, True):
                         if scatter and (norm or quant):
                             continue
@@ -128,7 +130,9 @@ def variants() -> list[tuple]:
         results.append(("one_shot", "bf16", 8192, 1, quant, True, job(one_shot._one_shot_kernel, t, ce, warps)))
         results.append(("lamport", "bf16", 8192, 1, quant, True,
                         job(lamport._lamport_kernel, t, dict(ce, VECTORS=True, REARM_IN_SPIN=8192 // 8 >= 32 * warps,
-                                                               PREFETCH=True), warps)))
+                                                               PREFETCH=True,
+                                                               SPIN_PACK=2 if 8192 // 8 >= 64 * warps else 1),
+                        warps)))
         results.append(("two_shot", "bf16", 8192, 1, quant, True,
                         job(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=False),
                               dispatch.row_config(8192, 1, two_shot=True).num_warps)))

@@ -139,7 +139,8 @@ def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, prog
 @triton.jit
 def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, rank, epoch, program, signature,
               deadline, grace_end, tell_at, record, err_ptr, state_ptr, table_ptr, abort_off,
-              WORLD: tl.constexpr, BLOCK_H: tl.constexpr, REARM: tl.constexpr, DTYPE: tl.constexpr):
+              WORLD: tl.constexpr, BLOCK_H: tl.constexpr, REARM: tl.constexpr, DTYPE: tl.constexpr,
+              PACK: tl.constexpr):
     """The wait of a row of one tile, every thread on its own 16-byte vectors (:func:`spin.spin_vectors`),
     and the row's sum ``acc``: the tile summed over the ranks in rank order in float32 from +0.0 (this
     rank's row ``own``, float32, every peer's as its spin loaded it: the additions of
@@ -168,7 +169,7 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
         else:
             w0, w1, w2, w3, status = spin_vectors(recv_words_ptr + q * slot_words + vi * 4, active, tag_ptr + q,
                                                   want_low, signature, deadline, table_ptr + q, abort_off,
-                                                  tell_at, epoch, grace_end, REARM)
+                                                  tell_at, epoch, grace_end, REARM, PACK)
             fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
             acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
     # status 2 (another call's tag): ERR_MISMATCH; 1 (timed out): ERR_TIMEOUT
@@ -187,7 +188,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                     QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                     GROUP: tl.constexpr, PDL: tl.constexpr, VECTORS: tl.constexpr, REARM_IN_SPIN: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, SPIN_PACK: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
@@ -259,7 +260,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
             acc = _spin_row(own, recv_words + row * (row_stride // 2), slot_stride // 2, row_start, numel, H,
                             tags, rank, epoch, pid, signature, deadline, grace_end, tell_at, timeout > 0,
                             err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD, BLOCK_H, REARM_IN_SPIN,
-                            x_ptr.dtype.element_ty)
+                            x_ptr.dtype.element_ty, SPIN_PACK)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
         elif NUM_TILES == 1:  # rows not in whole vectors: a block-wide poll; the epilogue reads the tile again
             mask = (offs < H) & (row_start + offs < numel)
@@ -315,6 +316,8 @@ def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int
     # re-armed inside the wait when no lane of the tile is replicated over threads.
     vectors = cfg.num_tiles == 1 and H % 8 == 0 and x.numel() % 8 == 0
     rearm_in_spin = vectors and cfg.block_h // 8 >= 32 * cfg.num_warps
+    # Two vectors a thread or more (an even count): spun in pairs, both loads in one round.
+    spin_pack = 2 if vectors and cfg.block_h // 8 >= 2 * 32 * cfg.num_warps else 1
     return KernelCall(_lamport_kernel, cfg.grid(n_rows), (
         x, residual if has_res else x, weight if weight is not None else x, out,
         residual_out if has_res else out, *(quant.kernel_args() if quant else no_quant_args(out)),
@@ -326,6 +329,6 @@ def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         VECTORS=vectors, REARM_IN_SPIN=rearm_in_spin,
-        PREFETCH=vectors and has_res and norm,
+        PREFETCH=vectors and has_res and norm, SPIN_PACK=spin_pack,
         num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
     ))

@@ -6,13 +6,14 @@ lands there. A wait written in Triton's block-level language needs one scalar lo
 round of its poll ends in a block-wide reduction (a barrier and a shared-memory pass) before the next
 load can issue; at decode sizes that round is most of the wait.
 
-Mechanism: :func:`spin_vectors` is one inline-PTX loop per 16-byte vector. It loads the vector
-(``ld.volatile.global.v4.b32``) and the sender's 64-bit call tag, and goes round again while any of the
-eight 16-bit halves holds the sentinel or the tag's low word is not this call's, until ``%globaltimer``
-passes the deadline, or the tag is this epoch's with another call's signature. Past the deadline the
-thread stores this rank's abort word in the awaited peer and sets its notified flag
+Mechanism: :func:`spin_vectors` is one inline-PTX loop per thread over its 16-byte vectors, one or two
+(``PACK``; :func:`_spin_asm`). Each round loads the vectors (``ld.volatile.global.v4.b32``, all issued
+before any is used, so a second vector costs no round trip of its own) and the sender's 64-bit call tag,
+and goes round again while any 16-bit half holds the sentinel or the tag's low word is not this call's,
+until ``%globaltimer`` passes the deadline, or the tag is this epoch's with another call's signature.
+Past the deadline the thread stores this rank's abort word in the awaited peer and sets its notified flag
 (``sync.store_abort``: the peer's base read from its table entry, only then) and spins on until the
-grace ends (``sync.grace_ns``). The vector's words and a status come back per thread: 0 arrived, 1
+grace ends (``sync.grace_ns``). Each vector's words and a status come back: 0 arrived, 1
 timed out, 2 another call's tag (at once, whatever arrived). Each thread combines and records its own
 statuses after the loops, with no block-wide step (``lamport._spin_row``; timings:
 docs/history/benchmarks-to-2026-12-02.md, "Decode kernels").
@@ -40,76 +41,73 @@ from .sync import NOTIFIED_FLAG, abort_word, now_ns, store_abort
 #: Two sentinels in one 32-bit word: the re-armed state of a Lamport vector.
 SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
 
-#: The spin: $0-$3 the vector's words, $4 the status; $5 the vector's address, $6 the tag's address,
-#: $7 the tag's expected low word, $8 the deadline (``%globaltimer`` ns), $9 active (0: skip, zeros),
-#: $10 the signature (the tag's expected high word), $11 the address of the awaited peer's entry in
-#: the address table, $12 the byte offset of its abort word for this rank (negative: store none, the
-#: wait of a timeout of 0), $13 the abort word, $14 the end of the grace, $15 the byte offset of the
-#: peer's state word. Past the deadline the word is stored once (%told), then the peer's
-#: ``sync.NOTIFIED_BIT`` set (a release), and the word withdrawn (0 stored) if the vector then arrives.
-#: The tag is read as one 64-bit access (no torn read); a tag of this epoch with another signature ends
-#: the spin at once (status 2, nothing re-armed). Outputs are early-clobber (``=&r``): they are written while the
-#: inputs are still read.
-_SPIN = """{
-.reg .pred %pm, %pt;
-.reg .b32 %h, %tl, %th, %told;
-.reg .u64 %now, %tag, %a, %s;
-mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0; mov.b32 %told, 0;
-setp.eq.s32 %pm, $9, 0;
-@%pm bra DONE;
-SPIN:
-ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$5];
-ld.volatile.global.u64 %tag, [$6];
-mov.b64 {%tl, %th}, %tag;
-setp.eq.u32 %pt, %tl, $7;
-setp.ne.and.u32 %pt, %th, $10, %pt;
-@%pt bra OTHER;
-setp.ne.u32 %pm, %tl, $7;
-and.b32 %h, $0, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
-shr.u32 %h, $0, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
-and.b32 %h, $1, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
-shr.u32 %h, $1, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
-and.b32 %h, $2, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
-shr.u32 %h, $2, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
-and.b32 %h, $3, 65535; setp.eq.or.u32 %pm, %h, 32768, %pm;
-shr.u32 %h, $3, 16; setp.eq.or.u32 %pm, %h, 32768, %pm;
-@!%pm bra ARRIVED;
-mov.u64 %now, %globaltimer;
-setp.lt.u64 %pt, %now, $8;
-@%pt bra SPIN;
-setp.ne.u32 %pt, %told, 0;
-setp.lt.or.s64 %pt, $12, 0, %pt;
-@%pt bra GRACE;
-ld.global.u64 %a, [$11];
-add.u64 %s, %a, $15;
-add.u64 %a, %a, $12;
-st.global.u64 [%a], $13;
-mov.u64 %tag, NOTIFIED;
-red.release.sys.global.or.b64 [%s], %tag;
-mov.b32 %told, 1;
-GRACE:
-setp.lt.u64 %pt, %now, $14;
-@%pt bra SPIN;
-mov.b32 $4, 1;
-bra DONE;
-OTHER:
-mov.b32 $4, 2;
-bra DONE;
-ARRIVED:
-setp.eq.u32 %pt, %told, 0;
-@%pt bra ARMED;
-mov.u64 %tag, 0;
-st.global.u64 [%a], %tag;
-ARMED:
-REARM_STORE
-DONE:
-}"""
-_REARM_STORE = ("mov.b32 %h, -2147450880;\n"
-                "st.global.v4.b32 [$5], {%h, %h, %h, %h};")
-#: The spin that re-arms the vector it read, and the one that leaves it.
-_SPIN = _SPIN.replace("NOTIFIED", str(NOTIFIED_FLAG))
-SPIN_REARM = tl.constexpr(_SPIN.replace("REARM_STORE", _REARM_STORE))
-SPIN_KEEP = tl.constexpr(_SPIN.replace("REARM_STORE", ""))
+def _spin_asm(n: int, rearm: bool) -> str:
+    """The PTX of the spin over ``n`` (1 or 2) vectors of one thread at once (``pack=n``: operand ``k`` of
+    element ``e`` is ``$(k * n + e)``). Outputs: the vectors' words (w0-w3) and a status per vector;
+    inputs: the vector's address, the tag's address, the tag's expected low word, the deadline
+    (``%globaltimer`` ns), active (0: skip, zeros), the signature (the tag's expected high word), the
+    address of the awaited peer's entry in the address table, the byte offset of its abort word for
+    this rank (negative: store none, the wait of a timeout of 0), the abort word, the end of the grace,
+    the byte offset of the peer's state word; all but the address and active are the same for the
+    ``n`` vectors (one peer), and are read from the first. All vectors' loads and the tag's are issued
+    together every round, so a second vector costs no round trip of its own. Past the deadline the word
+    is stored once (%told), then the peer's ``sync.NOTIFIED_BIT`` set (a release), and the word
+    withdrawn (0 stored) if the vectors then arrive. The tag is read as one 64-bit access (no torn
+    read); a tag of this epoch with another signature ends the spin at once (status 2, nothing
+    re-armed). A vector that has arrived is not loaded again. Outputs are early-clobber (``=&r``): they are
+    written while the inputs are still read."""
+    out = lambda k, e: f"${k * n + e}"  # noqa: E731
+    inp = lambda k, e=0: f"${5 * n + k * n + e}"  # noqa: E731
+    es = range(n)
+    lines = ["{", ".reg .pred %pm, %pt, %pa<2>, %pp<2>;", ".reg .b32 %h, %tl, %th, %told;",
+             ".reg .u64 %now, %tag, %a, %s;"]
+    lines += [f"mov.b32 {out(k, e)}, 0;" for e in es for k in range(5)] + ["mov.b32 %told, 0;"]
+    lines += [f"setp.ne.s32 %pa{e}, {inp(4, e)}, 0; mov.pred %pp{e}, %pa{e};" for e in es]
+    lines += ["mov.pred %pm, %pa0;"] + [f"or.pred %pm, %pm, %pa{e};" for e in es if e] + ["@!%pm bra DONE;", "SPIN:"]
+    # %pp{e}: vector e still holds a sentinel half, so it is loaded again (a vector that has arrived does
+    # not change until it is re-armed); an inactive vector's words stay 0, no sentinel half
+    lines += [f"@%pp{e} ld.volatile.global.v4.b32 {{{', '.join(out(k, e) for k in range(4))}}}, [{inp(0, e)}];"
+              for e in es]
+    lines += [f"ld.volatile.global.u64 %tag, [{inp(1)}];", "mov.b64 {%tl, %th}, %tag;",
+              f"setp.eq.u32 %pt, %tl, {inp(2)};", f"setp.ne.and.u32 %pt, %th, {inp(5)}, %pt;", "@%pt bra OTHER;",
+              f"setp.ne.u32 %pm, %tl, {inp(2)};"]
+    for e in es:
+        for k in range(4):
+            first = "setp.eq.u32 %pt, %h, 32768;" if k == 0 else "setp.eq.or.u32 %pt, %h, 32768, %pt;"
+            lines += [f"and.b32 %h, {out(k, e)}, 65535; {first}",
+                      f"shr.u32 %h, {out(k, e)}, 16; setp.eq.or.u32 %pt, %h, 32768, %pt;"]
+        lines += [f"mov.pred %pp{e}, %pt; or.pred %pm, %pm, %pt;"]
+    lines += ["@!%pm bra ARRIVED;", "mov.u64 %now, %globaltimer;", f"setp.lt.u64 %pt, %now, {inp(3)};",
+              "@%pt bra SPIN;", "setp.ne.u32 %pt, %told, 0;", f"setp.lt.or.s64 %pt, {inp(7)}, 0, %pt;",
+              "@%pt bra GRACE;", f"ld.global.u64 %a, [{inp(6)}];", f"add.u64 %s, %a, {inp(10)};",
+              f"add.u64 %a, %a, {inp(7)};", f"st.global.u64 [%a], {inp(8)};",
+              f"mov.u64 %tag, {NOTIFIED_FLAG};", "red.release.sys.global.or.b64 [%s], %tag;", "mov.b32 %told, 1;",
+              "GRACE:", f"setp.lt.u64 %pt, %now, {inp(9)};", "@%pt bra SPIN;"]
+    lines += [f"selp.b32 {out(4, e)}, 1, 0, %pa{e};" for e in es] + ["bra DONE;", "OTHER:"]
+    lines += [f"selp.b32 {out(4, e)}, 2, 0, %pa{e};" for e in es] + ["bra DONE;", "ARRIVED:",
+              "setp.eq.u32 %pt, %told, 0;", "@%pt bra ARMED;", "mov.u64 %tag, 0;", "st.global.u64 [%a], %tag;",
+              "ARMED:"]
+    if rearm:
+        lines += ["mov.b32 %h, -2147450880;"]
+        lines += [f"@%pa{e} st.global.v4.b32 [{inp(0, e)}], {{%h, %h, %h, %h}};" for e in es]
+    lines += ["DONE:", "}"]
+    return "\n".join(lines)
+
+
+def _constraints(n: int) -> str:
+    """The operand constraints of :func:`_spin_asm` for ``n`` vectors (outputs early-clobber)."""
+    kinds = ["l", "l", "r", "l", "r", "r", "l", "l", "l", "l", "l"]
+    return ",".join(["=&r"] * (5 * n) + [k for k in kinds for _ in range(n)])
+
+
+#: The spins of one and of two vectors a thread, re-arming what they read or leaving it, and their
+#: constraint strings.
+SPIN_REARM = tl.constexpr(_spin_asm(1, True))
+SPIN_KEEP = tl.constexpr(_spin_asm(1, False))
+SPIN2_REARM = tl.constexpr(_spin_asm(2, True))
+SPIN2_KEEP = tl.constexpr(_spin_asm(2, False))
+SPIN_CONSTRAINTS = tl.constexpr(_constraints(1))
+SPIN2_CONSTRAINTS = tl.constexpr(_constraints(2))
 
 
 @triton.jit
@@ -128,7 +126,7 @@ def tag_low(epoch):
 if interpreter_enabled():
     @triton.jit
     def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, abort_at, abort_off, abort_idx,
-                     epoch, grace_end, REARM: tl.constexpr):
+                     epoch, grace_end, REARM: tl.constexpr, PACK: tl.constexpr = 1):
         """The interpreter's twin of the PTX spin (module docstring): ``words_ptr`` int32 pointers to
         each vector's first word, ``[V]``; ``active`` ``[V]`` bool; ``tag_ptr`` the sender's int64 tag.
         Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32."""
@@ -183,7 +181,7 @@ if interpreter_enabled():
 else:
     @triton.jit
     def spin_vectors(words_ptr, active, tag_ptr, want_low, signature, deadline, abort_at, abort_off, abort_idx,
-                     epoch, grace_end, REARM: tl.constexpr):
+                     epoch, grace_end, REARM: tl.constexpr, PACK: tl.constexpr = 1):
         """Spin until the 16-byte vector at each of ``words_ptr`` (int32 pointers, ``[V]``, 16-byte
         aligned) holds no sentinel and the tag at ``tag_ptr`` (the sender's, int64) carries ``want_low``
         (:func:`tag_low`), or ``%globaltimer`` passes ``grace_end``; past ``deadline`` the thread stores
@@ -191,21 +189,28 @@ else:
         ``abort_at``, ``abort_idx`` int64 elements on, and sets the notified flag of its state word,
         ``abort_off`` elements on. Lanes where ``active`` is False skip.
         Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32 (module docstring). One thread per
-        vector when ``REARM`` (the caller's layout has no replicated lanes)."""
+        vector when ``REARM`` (the caller's layout has no replicated lanes); ``PACK=2`` spins a thread's
+        two vectors together (the caller's layout gives every thread an even count)."""
         addr = words_ptr.to(tl.int64)
         zero = (addr * 0).to(tl.int32)
         args = [addr, tag_ptr.to(tl.int64) + addr * 0, want_low + zero, deadline + addr * 0,
                 active.to(tl.int32), signature + zero, abort_at.to(tl.int64) + addr * 0,
                 abort_idx.to(tl.int64) * 8 + addr * 0, abort_word(epoch) + addr * 0, grace_end + addr * 0,
                 abort_off.to(tl.int64) * 8 + addr * 0]
-        if REARM:
+        i32 = tl.int32
+        if PACK == 2:  # two vectors a thread in one spin
+            if REARM:
+                w0, w1, w2, w3, status = tl.inline_asm_elementwise(
+                    SPIN2_REARM, SPIN2_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=2)
+            else:
+                w0, w1, w2, w3, status = tl.inline_asm_elementwise(
+                    SPIN2_KEEP, SPIN2_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=2)
+        elif REARM:
             w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_REARM, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r,l,l,l,l,l", args,
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+                SPIN_REARM, SPIN_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=1)
         else:
             w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_KEEP, "=&r,=&r,=&r,=&r,=&r,l,l,r,l,r,r,l,l,l,l,l", args,
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+                SPIN_KEEP, SPIN_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=1)
         return w0, w1, w2, w3, status
 
 
