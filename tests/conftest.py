@@ -9,15 +9,12 @@ import sys
 
 import pytest
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-for _p in (_ROOT, _HERE):  # tpcomm from this checkout; harness/rank_cases by name (spawned ranks too)
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import harness  # noqa: E402
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # tpcomm and the ``tests`` package from this checkout (spawned ranks too)
+    sys.path.insert(0, _ROOT)
 
 import tpcomm  # noqa: E402,F401  (first: on CPU it turns the interpreter on before any test imports Triton)
+from tests.support import harness  # noqa: E402
 
 #: World sizes of the CPU suite: 2 (the common TP pair) and 3 (odd: no power-of-two shortcuts).
 WORLD_SIZES = (2, 3)

@@ -1,0 +1,71 @@
+"""Hugging Face ``transformers`` models sharded over tpcomm (``tpcomm.models``) on CPU ranks: Llama and
+Gemma 3 (the ``(1 + w)`` norm), 2 and 3 ranks. Skipped without ``transformers`` (the ``hf`` extra)."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.support.numerics import Checks  # noqa: E402
+from tests.tools import ranks  # noqa: E402
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_decoding_equals_the_unsharded_model(pools, model, world):
+    """Prefill and greedy decode steps with the KV cache: float32 tokens equal the unsharded model's,
+    logits within float32 rounding of the reordered sums, and the same tokens on every rank."""
+    check = Checks()
+    for r, res in enumerate(pools.get(world).run(ranks.sharded_case, model, "float32")):
+        check.that(res["kernels"], f"rank {r}: the communicator fell back")
+        check.that(res["same_on_ranks"], f"rank {r}: tokens differ between ranks")
+        check.that(res["tokens"] == res["ref_tokens"], f"rank {r}: tokens {res['tokens']} != {res['ref_tokens']}")
+        check.that(res["logit_error"] <= 1e-4 * max(1.0, res["logit_scale"]),
+                   f"rank {r}: logits off by {res['logit_error']:.3g} (of {res['logit_scale']:.3g})")
+    check.done()
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_bf16_tokens_are_the_same_on_every_rank(pool2, model):
+    for r, res in enumerate(pool2.run(ranks.sharded_case, model, "bfloat16")):
+        assert res["same_on_ranks"] and res["kernels"], f"rank {r}: {res}"
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_one_forward_pass_matches_and_leaves_the_model_whole(pool2, model):
+    for r, res in enumerate(pool2.run(ranks.prefill_logits_case, model)):
+        assert res["error"] <= 1e-4 * max(1.0, res["scale"]), f"rank {r}: {res}"
+        assert res["same_bits"] and res["original_untouched"], f"rank {r}: {res}"
+
+
+@pytest.mark.parametrize("what,word", [("heads", "num_attention_heads"), ("intermediate", "intermediate_size")])
+def test_a_model_that_does_not_divide_is_refused(pool2, what, word):
+    for r, res in enumerate(pool2.run(ranks.refused_case, what)):
+        assert res is not None and res[0] == "ShardingError" and word in res[1], f"rank {r}: {res}"
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_the_static_cache_loop_decodes_as_generate_does(model):
+    """The loop that decodes loopback ranks one step at a time (``models.demo.static_decode``: a static
+    KV cache, no host read inside a step; eagerly here, as CUDA graphs need a GPU) gives the unsharded
+    model's tokens and logits of ``generate``, Gemma's sliding window (filled half-way on CPU) included."""
+    import torch
+
+    from tpcomm.models import demo
+
+    cfg = ranks.small(model, 2, steps=4)
+    m = demo.make_model(cfg)
+    prompt = torch.randint(3, cfg.vocab, (1, cfg.prompt), generator=torch.Generator().manual_seed(1))
+    tokens, logits = demo.greedy(m, prompt, cfg.steps)
+    [(lt, ll)] = demo.static_decode([m], prompt, cfg.steps, lambda step: step(0))
+    assert torch.equal(lt, tokens), f"static-cache tokens {lt.tolist()}, generate's {tokens.tolist()}"
+    assert torch.allclose(ll, logits, rtol=0, atol=1e-5), float((ll - logits).abs().max())
+
+
+def test_graph_safe_refuses_sliding_window_layers():
+    """A CUDA graph of one decode step is replayed only for models without sliding-window layers (their
+    static cache keeps host-side state a graph would freeze): Gemma decodes eagerly, Llama in a graph."""
+    from tpcomm.models import demo
+
+    gemma = demo.make_model(ranks.small("gemma", 2, steps=4))
+    llama = demo.make_model(ranks.small("llama", 2, steps=4))
+    assert not demo.graph_safe(gemma.config) and demo.graph_safe(llama.config)
