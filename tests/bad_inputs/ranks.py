@@ -1,5 +1,5 @@
-"""Rank bodies of the bad-input matrix: ``tests/test_bad_inputs.py`` (CPU ranks, through the pool) and
-``tests/test_gpu_bad_inputs.py`` (2 GPUs, through ``tpcomm.launch``). Importing this touches no GPU.
+"""Rank bodies of the bad-input matrix (``tests/bad_inputs/test_bad_inputs.py``): :func:`pool_body` on CPU
+ranks (through the pool), :func:`gpu_body` on GPUs (through ``tpcomm.launch``). Importing this touches no GPU.
 
 Every case is a function of a :class:`Kit` (this rank, its device, communicators made on demand) that
 makes one bad or unusual call and returns the failures it saw, as strings; the runner records what the
@@ -961,7 +961,7 @@ def doc_row(name: str, outcome: dict, gpu: bool = False) -> str:
 
 
 def _row(op: str, what: str, outcome: dict, gpu: bool, name: str) -> str:
-    test = ("test_gpu_bad_inputs.py::test_gpu_bad_input" if gpu else "test_bad_inputs.py::test_bad_input")
+    test = ("test_bad_inputs.py::test_gpu_bad_input" if gpu else "test_bad_inputs.py::test_bad_input")
     return f"| {op} | {what} | {describe(outcome)} | `{test}[{name}]` |"
 
 
@@ -973,5 +973,5 @@ def doc_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # print the table for docs/reliability.md: PYTHONPATH=. python tests/bad_input_cases.py
+if __name__ == "__main__":  # print the table for docs/reliability.md: python -m tests.bad_inputs.ranks
     print(doc_table())
