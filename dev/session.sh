@@ -57,18 +57,18 @@ all_gpu_tests() {
     gpu_tests() { name=$1; limit=$2; shift 2
         timeout $limit python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$@" --durations=5 > $W/$name.log 2>&1
         echo "$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR|XPASS" $W/$name.log | tail -8 >> $W/summary.txt; }
-    gpu_tests gpu $1 tests/test_gpu.py & gpu_tests collectives $1 tests/test_gpu_collectives.py &
-    gpu_tests fp8 $1 tests/test_gpu_fused_fp8.py tests/test_quant.py &
-    gpu_tests graphs $1 tests/test_gpu_graphs.py tests/test_gpu_bad_inputs.py &
+    gpu_tests gpu $1 tests/communicator/test_gpu.py & gpu_tests collectives $1 tests/collectives/test_gpu_collectives.py &
+    gpu_tests fp8 $1 tests/quant/test_gpu_fused_fp8.py tests/quant/test_quant.py &
+    gpu_tests graphs $1 tests/ops/test_gpu_graphs.py tests/bad_inputs/test_bad_inputs.py &
     wait
-    timeout $2 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_hygiene.py > $W/hygiene.log 2>&1
+    timeout $2 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/hygiene/test_gpu_hygiene.py > $W/hygiene.log 2>&1
     echo "hygiene rc=$?" >> $W/summary.txt; tail -1 $W/hygiene.log >> $W/summary.txt
 }
 
 # The one-GPU test files (loopback ranks; the FP8 quant tests) side by side, each within $1 seconds.
 one_gpu_tests() {
-    for f in loopback_tests:tests/test_gpu_loopback.py quant_tests:tests/test_quant.py \
-             loopback_quant_tests:tests/test_gpu_loopback_quant.py launch_tests:tests/test_launch.py; do
+    for f in loopback_tests:tests/collectives/test_gpu_loopback.py quant_tests:tests/quant/test_quant.py \
+             loopback_quant_tests:tests/quant/test_gpu_loopback_quant.py launch_tests:tests/host/test_launch.py; do
         (timeout $1 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
          echo "${f%%:*} rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/${f%%:*}.log | tail -8 >> $W/summary.txt) &
     done
@@ -133,8 +133,8 @@ w4b)
     export TPCOMM_GPU_WORLD=4
     step() { name=$1; shift; "$@" > $W/$name.log 2>&1; echo "$name rc=$?" >> $W/summary.txt; tail -3 $W/$name.log >> $W/summary.txt; }
     step soak2000_w4 timeout 300 python3 -m tpcomm soak --steps 2000 --device cuda --seed 0 --timeout 30 &
-    step fp8 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_fused_fp8.py tests/test_quant.py &
-    step chunked timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu.py -k chunked &
+    step fp8 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/quant/test_gpu_fused_fp8.py tests/quant/test_quant.py &
+    step chunked timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/communicator/test_gpu.py -k chunked &
     wait
     with_flashinfer timeout 110 python3 -m tpcomm bench --ops fused,fused_fp8,all_reduce,all_gather,reduce_scatter \
         --hidden 6144 --dtype bf16 --modes graph --json $W/bench-w4.json > $W/bench-w4.log 2>&1
@@ -144,13 +144,13 @@ check)
     # cross-algorithm test files side by side.
     timeout 150 python3 -m tpcomm soak --steps 3000 --device cuda --seed 1 > $W/soak3000.log 2>&1
     echo "soak rc=$?" >> $W/summary.txt; tail -4 $W/soak3000.log >> $W/summary.txt
-    for f in graphs:tests/test_gpu_graphs.py collectives:tests/test_gpu_collectives.py; do
+    for f in graphs:tests/ops/test_gpu_graphs.py collectives:tests/collectives/test_gpu_collectives.py; do
         (timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
          echo "${f%%:*} rc=$?" >> $W/summary.txt; tail -2 $W/${f%%:*}.log >> $W/summary.txt) &
     done
     wait ;;
 loopback)
-    # One GPU: tests/test_gpu_loopback.py (about 150 s, compiling) and the one-GPU FP8 tests side by side,
+    # One GPU: tests/collectives/test_gpu_loopback.py (about 150 s, compiling) and the one-GPU FP8 tests side by side,
     # then dev_loopback's variants.
     one_gpu_tests 300
     timeout ${DECODE_S:-240} python3 dev/dev_loopback.py --variants ${VARIANTS:-base,no_pdl} --replays 20 \
@@ -182,7 +182,7 @@ decode3)
     echo "dev_loopback rc=$?" >> $W/summary.txt
     one_gpu_tests 220 ;;
 decode4)
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py -k repeated \
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py -k repeated \
         > $W/replay_tests.log 2>&1
     echo "replay_tests rc=$?" >> $W/summary.txt; tail -1 $W/replay_tests.log >> $W/summary.txt
     timeout 90 python3 benchmarks/host_loopback.py --calls 200 --rounds 5 --out $W/host_loopback.json \
@@ -258,7 +258,7 @@ verify)
     # Every one-GPU test file at once, each within VERIFY_S seconds.
     one_gpu_tests ${VERIFY_S:-450} ;;
 decode6)
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py \
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py \
         -k "missing_peer or late_rank or another_call or graph_replays or repeated" > $W/fault_tests.log 2>&1
     echo "fault_tests rc=$?" >> $W/summary.txt; tail -1 $W/fault_tests.log >> $W/summary.txt
     for run in new old new2; do
@@ -274,7 +274,7 @@ decode6)
     done ;;
 model)
     model_demos
-    timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_loopback.py --durations=5 \
+    timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py --durations=5 \
         > $W/loopback_tests.log 2>&1
     echo "loopback_tests rc=$?" >> $W/summary.txt; tail -3 $W/loopback_tests.log >> $W/summary.txt ;;
 decode2)

@@ -9,7 +9,7 @@ GPUs. The flags, the Lamport buffers, the waits and the bits of every output are
 peers' stores land in the same GPU's memory instead of crossing NVLink, so timings show the kernels'
 own costs, not a multi-GPU machine's.
 
-For tests and kernel experiments on a one-GPU machine (``tests/test_gpu_loopback.py``,
+For tests and kernel experiments on a one-GPU machine (``tests/collectives/test_gpu_loopback.py``,
 ``dev/dev_loopback.py``); not for models.
 
 Limits:

@@ -122,7 +122,7 @@ def _group_of(comm) -> tuple[int, int, int]:
 
     Under torch.compile these become constants: a communicator's are plain int attributes, which Dynamo
     reads while tracing and guards on (a model holding another communicator, with another handle,
-    recompiles: ``tests/test_compile.py::test_compiled_code_follows_the_communicator``). An earlier
+    recompiles: ``tests/ops/test_compile.py::test_compiled_code_follows_the_communicator``). An earlier
     ``assume_constant_result`` function of the communicator itself failed to trace with torch 2.11
     ("UserDefinedObjectVariable(Communicator) is not a constant", 2 H200s)."""
     if _is_handle(comm):

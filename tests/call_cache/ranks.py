@@ -1,4 +1,4 @@
-"""Rank bodies of ``tests/test_call_cache.py``: repeated calls (the cached path of ``tpcomm.call_cache``)
+"""Rank bodies of ``tests/call_cache/test_call_cache.py``: repeated calls (the cached path of ``tpcomm.call_cache``)
 against first calls and the contract, calls that change one key field, errors on repeated calls, and
 outputs the caller passes. Run by the CPU rank pool as ``fn(ctx, *args)``; each returns a list of
 ``(what, ok)`` pairs (or messages) for the test to assert on.

@@ -1,4 +1,4 @@
-"""Rank bodies of ``tests/test_gpu_collectives.py``, run through ``tpcomm.launch.launch(run_all, 2,
+"""Rank bodies of ``tests/collectives/test_gpu_collectives.py``, run through ``tpcomm.launch.launch(run_all, 2,
 "cuda")``: ``fn(rank, world_size, spec)``. Importing this module touches no GPU.
 
 One launch runs every part (starting ranks and joining NCCL costs seconds; compiling the kernels once
@@ -178,7 +178,7 @@ def _algorithms_case(comm, rank, world_size, device, seed, dtype, H, T, which, p
 def algorithms_part(rank, world_size, device, cases, algos, timeout_s):
     """For each case ``(case_id, dtype name, H, T, which, prefixes)``: every algorithm of ``algos``
     forced on the same wide-range inputs, compared with the reference and with one-shot (see
-    ``tests/test_gpu_collectives.py``). Returns ``{"cases": {case_id: {"failures", "fallback_prefix",
+    ``tests/collectives/test_gpu_collectives.py``). Returns ``{"cases": {case_id: {"failures", "fallback_prefix",
     "hashes"}}}`` (``fallback_prefix``: where the fallback's norm outputs of a prefix of rows differ from
     the same rows of the whole call); the part stops at a case that raised (the peer's calls then time
     out)."""

@@ -1,8 +1,8 @@
-"""Rank bodies of ``tests/test_collectives.py`` (pool bodies: ``fn(ctx, *args)``): every algorithm
+"""Rank bodies of ``tests/collectives/test_collectives.py`` (pool bodies: ``fn(ctx, *args)``): every algorithm
 forced on the same inputs, all_gather, reduce_scatter, interleaved calls, calls that do not match a
 peer's, and the crossover table a communicator loads.
 
-As in ``rank_cases.py``, each body rebuilds every rank's input from the case's seed, runs the op and
+As in ``tests/communicator/ranks.py``, each body rebuilds every rank's input from the case's seed, runs the op and
 returns tensors (or what it raised); the assertions live in the test file, which sees every rank's answer.
 
 Also the all-reduce and fused bodies of ``tests/collectives/test_one_shot.py`` (shared with

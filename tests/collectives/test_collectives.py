@@ -1,9 +1,9 @@
 """The collectives on CPU ranks: every algorithm gives the same bits (item 6), ``all_gather`` and
 ``reduce_scatter`` (item 4), interleaved calls of every op, size and algorithm on one communicator,
 calls that do not match a peer's, and the crossover table (item 5). Rank bodies:
-``tests/collective_cases.py``.
+``tests/collectives/ranks.py``.
 
-Faults already covered by ``tests/test_faults.py`` (a skipped call, fused against all_reduce, fewer or
+Faults already covered by ``tests/faults/test_faults.py`` (a skipped call, fused against all_reduce, fewer or
 more fused rows, another dtype of the fused op, all_gather with fewer rows, reduce_scatter with more
 rows, reduce_scatter against all_gather; 2 ranks) are not repeated here.
 """

@@ -1,9 +1,9 @@
 """The collectives on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory): every algorithm gives the same bits at real
 shapes, interleaved calls of every op, size and algorithm, and all_gather / reduce_scatter inside CUDA
 graphs replayed with new inputs. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on the GPU
-machine: ``python3 -m pytest -q -m gpu tests/test_gpu_collectives.py -p no:cacheprovider``.
+machine: ``python3 -m pytest -q -m gpu tests/collectives/test_gpu_collectives.py -p no:cacheprovider``.
 
-One launch (module fixture) runs every part in the ranks (``tests/gpu_collective_cases.py``); each test
+One launch (module fixture) runs every part in the ranks (``tests/collectives/gpu_ranks.py``); each test
 reads its part's summary from both ranks: the failures each rank found (empty when right) and hashes of
 the output bits, which must agree between the GPUs.
 """

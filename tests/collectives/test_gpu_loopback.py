@@ -7,7 +7,7 @@ with programmatic dependent launch on and off; a rank whose peer never comes rai
 ``PeerTimeoutError``, and ranks making different calls raise ``PeerMismatchError``, instead of hanging
 (those three at 2 ranks).
 
-    python -m pytest -q -m gpu tests/test_gpu_loopback.py
+    python -m pytest -q -m gpu tests/collectives/test_gpu_loopback.py
 """
 
 import pytest

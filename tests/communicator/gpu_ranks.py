@@ -1,4 +1,4 @@
-"""Rank bodies of the GPU tests (``tests/test_gpu.py``), run through ``tpcomm.launch.launch(fn, 2,
+"""Rank bodies of the GPU tests (``tests/communicator/test_gpu.py``), run through ``tpcomm.launch.launch(fn, 2,
 "cuda")``: ``fn(rank, world_size, *args)``. Importing this module touches no GPU.
 
 Spawning ranks and joining NCCL costs seconds, so one launch runs many cases; each rank compares its own
@@ -41,7 +41,7 @@ def eager_cases(rank, world_size, cases, chunk_max_bytes):
     """Run every case ``(case_id, algo, dtype_name, H, T, chunked, layout)`` and summarise it.
 
     For each: ``all_reduce(x, out=NaN-filled)`` and ``fused_add_rmsnorm`` on a communicator that forces
-    ``algo``, with ``x`` (and the residual) in ``layout`` (``rank_cases.layout_of``), compared with the
+    ``algo``, with ``x`` (and the residual) in ``layout`` (``tests.collectives.ranks.layout_of``), compared with the
     reference. The fused outputs are poisoned as far as the caller can: NaN-filled blocks of their size
     are freed just before the call, so the caching allocator hands them out again. When ``chunked``, the
     same fused call and all_reduce on a communicator with ``max_bytes=chunk_max_bytes`` (several

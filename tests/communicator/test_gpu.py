@@ -1,9 +1,9 @@
 """The correctness checks of the CPU suite on ``GPU_WORLD`` GPUs (NCCL group, symmetric memory), plus CUDA-graph
 capture and replay. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on a machine with GPUs:
-``python -m pytest -q -m gpu tests/test_gpu.py``.
+``python -m pytest -q -m gpu tests/communicator/test_gpu.py``.
 
 Spawning ranks and joining NCCL costs seconds, so each module-scoped fixture launches once and runs
-every case inside the ranks (``tests/gpu_cases.py``); each parametrized test then reads its own case's
+every case inside the ranks (``tests/communicator/gpu_ranks.py``); each parametrized test then reads its own case's
 summary from every rank.
 """
 
@@ -29,7 +29,7 @@ CHUNK_MAX_BYTES = (512 << 10) // GPU_WORLD
 #: Seconds for one launch of every eager case (about 150 cases, most of them small).
 EAGER_LAUNCH_TIMEOUT_S = 900
 
-#: Non-contiguous and misaligned inputs (rank_cases.layout_of), at one decode and one prefill shape.
+#: Non-contiguous and misaligned inputs (tests.collectives.ranks.layout_of), at one decode and one prefill shape.
 LAYOUTS, LAYOUT_SHAPES = ("strided", "transposed", "offset"), ((16, 4096), (1024, 7168))
 
 CASES = ([(f"{a}-{dtype_name(d)}-{H}x{T}", a, dtype_name(d), H, T, H in CHUNKED_HIDDEN and T in CHUNKED_TOKENS,

@@ -1,4 +1,4 @@
-"""Rank bodies of the fault-injection tests (``tests/test_faults.py``): a peer that skips a call, calls
+"""Rank bodies of the fault-injection tests (``tests/faults/test_faults.py``): a peer that skips a call, calls
 another op, or calls with another size or dtype. Pool bodies: ``fn(ctx, *args)``.
 
 Each fault is a list of calls per rank (rank 1 is the faulty peer). Every rank runs its calls on a fresh

@@ -6,7 +6,7 @@ that makes a call its peer does not match must raise :class:`tpcomm.PeerTimeoutE
 margin; never return (a returned value is a silent wrong answer, or a right one by luck). Afterwards the
 communicator keeps raising (it is unusable: docs/reliability.md) and a new one works.
 
-The rank bodies are in ``tests/fault_cases.py``; all runs go through one pool call (module fixture).
+The rank bodies are in ``tests/faults/ranks.py``; all runs go through one pool call (module fixture).
 """
 
 import pytest

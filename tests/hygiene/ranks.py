@@ -1,5 +1,5 @@
-"""Rank bodies of the resource-hygiene tests (``tests/test_hygiene.py`` on CPU ranks,
-``tests/test_gpu_hygiene.py`` on 2 GPUs): create/use/close cycles of a Communicator, measuring what a
+"""Rank bodies of the resource-hygiene tests (``tests/hygiene/test_hygiene.py`` on CPU ranks,
+``tests/hygiene/test_gpu_hygiene.py`` on 2 GPUs): create/use/close cycles of a Communicator, measuring what a
 leak would grow, and ranks that die after set-up."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Resource hygiene on ``GPU_WORLD`` GPUs: 50 create/use/close cycles of a Communicator leave device memory in use,
 memory allocated by torch and open file descriptors where they were. Marked ``gpu``; run on the GPU
-machine: ``python -m pytest -q -m gpu tests/test_gpu_hygiene.py``. Measured on 2 H200s:
+machine: ``python -m pytest -q -m gpu tests/hygiene/test_gpu_hygiene.py``. Measured on 2 H200s:
 docs/data/gpu_hygiene_2xH200.log."""
 
 import pytest

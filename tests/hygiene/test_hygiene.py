@@ -1,6 +1,6 @@
 """Resource hygiene on CPU ranks: create/close cycles leak no file descriptors, shared memory or
 memory, and ranks killed with SIGKILL leave nothing in /dev/shm. The GPU variant is
-``tests/test_gpu_hygiene.py``."""
+``tests/hygiene/test_gpu_hygiene.py``."""
 
 import glob
 import os

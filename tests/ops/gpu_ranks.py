@@ -1,4 +1,4 @@
-"""Rank bodies of ``tests/test_gpu_graphs.py`` (CUDA graphs, ``torch.compile`` and the custom ops on 2
+"""Rank bodies of ``tests/ops/test_gpu_graphs.py`` (CUDA graphs, ``torch.compile`` and the custom ops on 2
 GPUs), run through ``tpcomm.launch.launch(fn, 2, "cuda")`` as ``fn(rank, world_size, *args)``. Importing
 this module touches no GPU.
 
@@ -332,7 +332,7 @@ def capture_destroy(rank, world_size, cycles, sample_at):
 
 # -- torch.compile on the GPU -----------------------------------------------------------------------------
 def compile_gpu(rank, world_size, hidden, tokens, graph_replays, seed):
-    """(1) ``ops_cases._Layer`` (every op) compiled with Inductor, ``fullgraph=True``, token dimension
+    """(1) ``tests.ops.ranks._Layer`` (every op) compiled with Inductor, ``fullgraph=True``, token dimension
     dynamic: one compilation, each token count bit-identical to eager. (2) The compiled layer captured in
     a CUDA graph (``capture_guard``) and replayed with new inputs: bit-identical to the compiled layer
     outside the graph. (3) ``mode="reduce-overhead"`` (Inductor's own CUDA graphs) of all_reduce + fused:

@@ -1,5 +1,5 @@
-"""Rank bodies of the custom-op, compile, multi-communicator and example tests (``tests/test_ops.py``,
-``tests/test_compile.py``, ``tests/test_multi_comm.py``, ``tests/test_example_tp_decoder.py``), run by the
+"""Rank bodies of the custom-op, compile, multi-communicator and example tests (``tests/ops/test_ops.py``,
+``tests/ops/test_compile.py``, ``tests/ops/test_multi_comm.py``, ``tests/ops/test_example_tp_decoder.py``), run by the
 CPU rank pool as ``fn(ctx, *args)``. Inputs come from seeds every rank knows (``numerics``), so each rank
 computes the expected result itself; the test files hold the assertions.
 """

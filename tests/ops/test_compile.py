@@ -1,6 +1,6 @@
 """``torch.compile`` of code that calls ``tpcomm.ops``, on CPU ranks (Triton's interpreter runs the
 kernels inside the compiled graph: the ops are opaque to the compiler, so Inductor calls them as they
-are). GPU compile tests: ``tests/test_gpu_graphs.py``.
+are). GPU compile tests: ``tests/ops/test_gpu_graphs.py``.
 """
 
 from tests.ops import ranks

@@ -1,6 +1,6 @@
 """``examples/tp_decoder.py``: the tensor-parallel decoder stack on CPU ranks (eager and compiled),
 checked against its single-process float64 reference; its checker fails wrong outputs; bad arguments
-are refused before any rank starts. The GPU run (compile + CUDA graphs) is in tests/test_gpu_graphs.py.
+are refused before any rank starts. The GPU run (compile + CUDA graphs) is in tests/ops/test_gpu_graphs.py.
 """
 
 import dataclasses

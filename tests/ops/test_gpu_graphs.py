@@ -1,8 +1,8 @@
 """CUDA graphs, ``torch.compile`` and the custom ops (``tpcomm.ops``, ``tpcomm.graphs``) on ``GPU_WORLD`` GPUs.
 Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on a machine with GPUs:
-``python -m pytest -q -m gpu tests/test_gpu_graphs.py``.
+``python -m pytest -q -m gpu tests/ops/test_gpu_graphs.py``.
 
-One launch runs every case inside the ranks (``tests/gpu_graph_cases.py``); each test reads its case's
+One launch runs every case inside the ranks (``tests/ops/gpu_ranks.py``); each test reads its case's
 summary from every rank. The summaries are printed (run with ``-s`` to see them).
 """
 

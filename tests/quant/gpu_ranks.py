@@ -1,4 +1,4 @@
-"""Rank bodies of the GPU fused FP8 tests (``tests/test_gpu_fused_fp8.py``), run through
+"""Rank bodies of the GPU fused FP8 tests (``tests/quant/test_gpu_fused_fp8.py``), run through
 ``tpcomm.launch.launch(fn, 2, "cuda")``: ``fn(rank, world_size, *args)``. Importing this module touches
 no GPU.
 

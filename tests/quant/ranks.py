@@ -1,5 +1,5 @@
-"""Rank bodies of the fused FP8 tests (``tests/test_fused_fp8.py``), and the FP8 helpers they share with
-the GPU bodies (``tests/gpu_fused_fp8_cases.py``).
+"""Rank bodies of the fused FP8 tests (``tests/quant/test_fused_fp8.py``), and the FP8 helpers they share with
+the GPU bodies (``tests/quant/gpu_ranks.py``).
 
 A case is a :class:`Fp8Case`. Its body rebuilds every rank's input from the seed, makes the quantised
 fused call (``Communicator.fused_add_rmsnorm(..., quant=...)``) and the same call without ``quant`` on

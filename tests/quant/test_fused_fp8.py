@@ -13,7 +13,7 @@ and its bytes equal ``static_quant_fp8`` and ``static_fp8_quant_reference`` of `
 The interpreter is slow, so the dimensions (algorithm, dtype, format, per-token / per-group / column-major,
 residual, Gemma, emit_unquantized, world size) are covered by a handful of combinations in which every
 value of every dimension occurs with every algorithm, not by their product. Realistic shapes run on
-GPUs: ``tests/test_gpu_fused_fp8.py``.
+GPUs: ``tests/quant/test_gpu_fused_fp8.py``.
 """
 
 import re
@@ -45,7 +45,7 @@ def _c(seed, algo, dtype, fp8, mode, residual, gemma, emit, shape, group=32, **k
 
 # (world, case). Each algorithm meets both formats, both world sizes, with and without residual, Gemma and
 # emit_unquantized; its dtypes (Lamport: 16-bit only); and each format meets every scale layout. Rows
-# marked special carry zeros, a dominant element, a NaN and huge values (fused_fp8_cases.special_inputs);
+# marked special carry zeros, a dominant element, a NaN and huge values (fc.special_inputs);
 # a float32 norm weight with bf16 input once; 3-D inputs (B, S, H) three times.
 MATRIX = [
     (2, _c(1, "lamport", BF16, FN, "tok", True, False, True, (5, 64), special=True)),

@@ -1,6 +1,6 @@
 """Fused FP8 output of ``fused_add_rmsnorm(..., quant=...)`` on ``GPU_WORLD`` GPUs, at the shapes of real
 models. Marked ``gpu``; skipped unless that many CUDA GPUs are visible. Run on a machine with GPUs:
-``python -m pytest -q -m gpu tests/test_gpu_fused_fp8.py``.
+``python -m pytest -q -m gpu tests/quant/test_gpu_fused_fp8.py``.
 
 Per case, on both GPUs: bytes and scales equal the standalone Triton quant (``tpcomm.quant``, with the
 hardware e4m3fn conversion) and the plain-torch quant of the fused ``out``; ``residual_out`` equals the
@@ -9,7 +9,7 @@ lie within one FP8 step of the float32 reference; both GPUs hold the same bytes.
 calls captured in one CUDA graph and replayed with new inputs equal eager calls.
 
 Spawning ranks, joining NCCL and compiling cost more than the cases: one launch runs everything
-(``tests/gpu_fused_fp8_cases.py``) and each parametrized test reads its own case's summary.
+(``tests/quant/gpu_ranks.py``) and each parametrized test reads its own case's summary.
 
 Compilations are what take the time, so the sweep is not a full product. Every hidden size and token
 count runs every algorithm in bf16; per tile shape (``BLOCK_H`` 4096; 8192; 8192 x 2 tiles) each

@@ -4,10 +4,10 @@ Marked ``gpu``; needs one CUDA GPU. For each algorithm, each form's bytes and sc
 standalone op (``tpcomm.quant``) applied to the call's own unquantised ``out`` (asked for with
 ``emit_unquantized``) bit for bit on every rank, its ``out`` and ``residual_out`` equal the plain fused
 call's, and a second call (the call cache's replay) gives the same bits. Numerics of each form (zero,
-subnormal, saturating, NaN and Inf blocks) are the CPU suite's (``tests/test_fused_fp8.py``,
-``tests/test_quant_formats.py``).
+subnormal, saturating, NaN and Inf blocks) are the CPU suite's (``tests/quant/test_fused_fp8.py``,
+``tests/quant/test_quant_formats.py``).
 
-    python -m pytest -q -m gpu tests/test_gpu_loopback_quant.py
+    python -m pytest -q -m gpu tests/quant/test_gpu_loopback_quant.py
 """
 
 import zlib

@@ -49,7 +49,7 @@ def _u8(t):
 
 
 def _fp8_byte(value: float, fp8_dtype) -> int:
-    """Byte of a value that ``fp8_dtype`` holds exactly (torch's encoder, checked in tests/test_quant.py)."""
+    """Byte of a value that ``fp8_dtype`` holds exactly (torch's encoder, checked in tests/quant/test_quant.py)."""
     return torch.tensor([value]).to(fp8_dtype).view(torch.uint8).item()
 
 

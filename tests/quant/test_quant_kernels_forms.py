@@ -160,7 +160,7 @@ def test_pack_ue8m0_rejects_bad_scales():
 
 # -- MXFP4 and NVFP4 ---------------------------------------------------------------------------------------
 RULES = ("floor", "even", "rceil")
-#: Block amaxes whose scale bytes the rules round differently (tests/test_quant_formats.py's hand cases):
+#: Block amaxes whose scale bytes the rules round differently (tests/quant/test_quant_formats.py's hand cases):
 #: just below and at powers of two, significands 1.75 and above, amax / 6 one ulp above 2^10, float32
 #: subnormal and near-largest values, zero.
 _AMAXES = (7.99, 8.0, 6.0, 6.01, 7.0, 6.99, 12.01, 6144.00048828125, 2.0 ** -130, 3e38, 0.0)

@@ -4,11 +4,11 @@ Starting a rank costs seconds (start a process, import Triton and tpcomm, join a
 is started once per world size and reused by every test. A test sends a module-level function and its
 arguments to every rank and gets back each rank's return value (or every failing rank's traceback):
 
-    results = pool.run(rank_cases.some_case, arg1, arg2)     # [value of rank 0, value of rank 1, ...]
+    results = pool.run(ranks.some_case, arg1, arg2)          # [value of rank 0, value of rank 1, ...]
 
 The function runs as ``fn(ctx, *args)`` where ``ctx`` is the rank's :class:`RankContext` (rank, world
 size, and Communicators created on demand and cached for later tests). Functions must live in an
-importable module (``tests/rank_cases.py``) so they pickle by name.
+importable module (a folder's ``ranks.py``, e.g. ``tests.collectives.ranks``) so they pickle by name.
 
 Never hang: a call that does not finish within its timeout kills the whole pool and raises
 :class:`PoolTimeout`; a call in which any rank raised also restarts the pool (its communicators may no

@@ -1,4 +1,4 @@
-"""The test harness itself (``tests/harness.py``): a failing or hung call must fail its test with the
+"""The test harness itself (``tests/support/harness.py``): a failing or hung call must fail its test with the
 ranks' tracebacks and kill the pool, never hang the suite. Uses its own pools (the shared ones stay)."""
 
 import time

@@ -1,4 +1,4 @@
-"""The comparison helpers (``tests/numerics.py``) catch what they must: a check that cannot fire
+"""The comparison helpers (``tests/support/numerics.py``) catch what they must: a check that cannot fire
 would make every test built on it vacuous."""
 
 import pytest

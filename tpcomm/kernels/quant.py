@@ -28,7 +28,7 @@ same bytes on every backend (:func:`fp8_encode_soft`); with ``NATIVE_FP8`` it us
 conversion for e4m3fn instead. Triton (3.6 on an H200, 3.9 for sm_90) emits
 ``cvt.rn.satfinite.e4m3x2.f32``: nearest-even, +-Inf and out-of-range values to +-448 (PTX's
 ``.satfinite``), so no clamp is needed around it; the NaN byte is made explicit (a NaN's sign bit could
-otherwise give 0xFF). Both give the same byte for all 2^32 float32 inputs (``tests/test_quant.py``, GPU),
+otherwise give 0xFF). Both give the same byte for all 2^32 float32 inputs (``tests/quant/test_quant.py``, GPU),
 and the native one is faster (docs/design.md, "The hardware conversion"). Bytes are returned as
 ``uint8``: launchers pass a ``uint8`` view of the FP8 output.
 
@@ -253,7 +253,7 @@ def divide(v, scale, recip, fast):
     quotient is instead :func:`fast_divide`'s: one multiply and two FMAs per element. The remainder
     ``v - q0 * scale`` is exact unless it underflows, which the fast path's ``scale >= 2^-90`` rules
     out for every quotient of at least 2^-12; smaller quotients may be one float32 ulp off but are
-    below half the smallest FP8 subnormal, so they give the same byte (+-0). ``tests/test_quant.py``
+    below half the smallest FP8 subnormal, so they give the same byte (+-0). ``tests/quant/test_quant.py``
     checks it on a GPU for every (value, amax) pair of each 16-bit dtype and format: the same FP8
     bytes as ``div_rn``, and the same quotient bits wherever it is at least 2^-12. 32-bit sources
     always take ``div_rn``.
