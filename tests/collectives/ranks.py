@@ -517,6 +517,7 @@ def special_values_case(ctx, dtype, algo=None):
             "residual_out_ref": ro_ref}
 
 
+# -- the plain-torch references (test_reference.py) -----------------------------------------------------
 def reference_collective_case(ctx, dtype):
     """The collective references against the local ones, from seeded inputs."""
     shape = (3, 40)
@@ -536,6 +537,7 @@ def reference_collective_case(ctx, dtype):
     return result
 
 
+# -- 4 and 8 ranks, launched (test_large_worlds.py): (rank, world_size) ---------------------------------
 def every_op_every_algorithm(rank: int, world_size: int) -> list[str]:
     """Fused (with and without residual, FP8 per token), all-reduce, all-gather and reduce-scatter under
     every algorithm, T = 5 rows (fewer than 8 ranks: some reduce-scatter shares are empty), bf16 and

@@ -28,6 +28,7 @@ from tests.support.numerics import all_inputs, bits, raised, residual_input, wei
 from tpcomm import dispatch
 
 
+# -- row counts and chunked calls -----------------------------------------------------------------------
 def fused_rows(ctx, seed, shape, dtype, row_counts, max_bytes=None, algo=None):
     """``fused_add_rmsnorm`` and ``all_reduce`` of the first ``n`` rows for each ``n`` in
     ``row_counts`` (batch invariance: a row's bits must not depend on how many rows share the call)."""
