@@ -193,8 +193,8 @@ def load_table(path: str) -> CrossoverTable:
 #: threshold is set where two algorithms tie or the next one wins (docs/design.md, "Crossover defaults",
 #: gives each measurement). Three ranks use the 2-rank entries, five to eight the 4-rank ones.
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
-_TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-session5/tune_w2.log"
-_TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-session5/first-call/tune_w4.log"
+_TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-5/tune_w2.log"
+_TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-5/first-call/tune_w4.log"
 DEFAULT_TABLE = CrossoverTable({
     "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(16 << 10, 3 << 20, _TUNED_W4)},
     "all_reduce": {2: Crossover(4 << 20, 16 << 20, _TUNED), 4: Crossover(1 << 20, 2 << 20, _TUNED_W4)},

@@ -1,48 +1,48 @@
 #!/bin/bash
 # Device calls after kernel changes, in parts that each fit one 600 s call (2 H200s unless said):
-#   bash dev/session.sh tests   # every GPU test file, then decode timings of kernel variants
-#   bash dev/session.sh sweep   # the 10,000-step soak, then the full bench sweep with FlashInfer
-#   bash dev/session.sh decode  # a short bench (hidden 6144/7168, graph), then the GPU tests
-#   bash dev/session.sh w4      # 4 H200s (kind nvidia-h200-x4): every GPU test file with 4 ranks,
+#   bash dev/gpu_runs.sh tests   # every GPU test file, then decode timings of kernel variants
+#   bash dev/gpu_runs.sh sweep   # the 10,000-step soak, then the full bench sweep with FlashInfer
+#   bash dev/gpu_runs.sh decode  # a short bench (hidden 6144/7168, graph), then the GPU tests
+#   bash dev/gpu_runs.sh w4      # 4 H200s (kind nvidia-h200-x4): every GPU test file with 4 ranks,
 #                                        # a 2,000-step soak, the demo, tune --quick, a bench at hidden 6144
-#   bash dev/session.sh w4b     # 4 H200s: soak, FP8 and chunking tests again, the bench of every op
-#   bash dev/session.sh check   # a 3,000-step soak, then the graph and cross-algorithm GPU tests
-#   bash dev/session.sh loopback  # ONE GPU (kind nvidia-h200): the loopback tests (every algorithm,
+#   bash dev/gpu_runs.sh w4b     # 4 H200s: soak, FP8 and chunking tests again, the bench of every op
+#   bash dev/gpu_runs.sh check   # a 3,000-step soak, then the graph and cross-algorithm GPU tests
+#   bash dev/gpu_runs.sh loopback  # ONE GPU (kind nvidia-h200): the loopback tests (every algorithm,
 #                                        # 2 and 3 ranks on one GPU) and the FP8 quant tests, then decode
 #                                        # timings of kernel variants
-#   bash dev/session.sh peer      # ONE GPU (carry [".whl"]): tpcomm bench --loopback (TRT-LLM beside),
+#   bash dev/gpu_runs.sh peer      # ONE GPU (carry [".whl"]): tpcomm bench --loopback (TRT-LLM beside),
 #                                        # then benchmarks/host_loopback.py (eager host time per call)
-#   bash dev/session.sh decode1   # ONE GPU (carry [".whl", ".old"]): the loopback and FP8 GPU tests, then
+#   bash dev/gpu_runs.sh decode1   # ONE GPU (carry [".whl", ".old"]): the loopback and FP8 GPU tests, then
 #                                        # bench --loopback of this tree and of .old/ (the kernels to compare
 #                                        # against: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`)
-#   bash dev/session.sh decode3   # ONE GPU: where the host time of a repeated call goes
+#   bash dev/gpu_runs.sh decode3   # ONE GPU: where the host time of a repeated call goes
 #                                        # (benchmarks/host_profile.py), kernel variants (VARIANTS, default
 #                                        # base,no_pdl), then the loopback and FP8 GPU tests
-#   bash dev/session.sh decode4   # ONE GPU (carry [".whl", ".old"]): the replay test, host time per
+#   bash dev/gpu_runs.sh decode4   # ONE GPU (carry [".whl", ".old"]): the replay test, host time per
 #                                        # call, then bench --loopback (1-4096 tokens) of this tree and of .old/
-#   bash dev/session.sh decode5   # ONE GPU (carry [".old2"]): the loopback and FP8 GPU tests, then the
+#   bash dev/gpu_runs.sh decode5   # ONE GPU (carry [".old2"]): the loopback and FP8 GPU tests, then the
 #                                        # decode bench (6144, 1-64 tokens) of this tree and of .old2/, then
 #                                        # the host time per call at 1 token
-#   bash dev/session.sh decode6   # ONE GPU (carry [".old2", ".whl"]): the loopback fault tests and graph
+#   bash dev/gpu_runs.sh decode6   # ONE GPU (carry [".old2", ".whl"]): the loopback fault tests and graph
 #                                        # replays, then the decode bench (6144, 1-64 tokens, with TRT-LLM) of
 #                                        # this tree, of .old2/ and of this tree again
-#   bash dev/session.sh decode7   # ONE GPU (carry [OLD, default ".old3", and ".whl"]): the loopback and FP8
+#   bash dev/gpu_runs.sh decode7   # ONE GPU (carry [OLD, default ".old3", and ".whl"]): the loopback and FP8
 #                                        # GPU tests, then the decode bench (HIDDEN, default 6144; 1-64 tokens,
 #                                        # TRT-LLM beside) of this tree, of $OLD and of this tree again
-#   TREES=". .old" bash dev/session.sh ab  # ONE GPU (carry [".whl"] and each tree): the decode bench
+#   TREES=". .old" bash dev/gpu_runs.sh ab  # ONE GPU (carry [".whl"] and each tree): the decode bench
 #                                        # (HIDDEN, TOKENS) of each tree in turn, TRT-LLM beside the first
 #                                        # (BENCH=0: none);
 #                                        # HOST=1: then the eager host path of each tree
 #                                        # (benchmarks/host_profile.py), then of every op of each tree
 #                                        # (host_loopback.py);
 #                                        # TESTS=1: then the loopback and FP8 GPU tests
-#   bash dev/session.sh forms     # ONE GPU (carry [".whl-hf"]): the quant forms bench in loopback, then
+#   bash dev/gpu_runs.sh forms     # ONE GPU (carry [".whl-hf"]): the quant forms bench in loopback, then
 #                                        # tpcomm demo --model llama and gemma on loopback ranks
-#   bash dev/session.sh verify    # ONE GPU: every one-GPU test file at once (VERIFY_S each)
-#   bash dev/session.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
+#   bash dev/gpu_runs.sh verify    # ONE GPU: every one-GPU test file at once (VERIFY_S each)
+#   bash dev/gpu_runs.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
 #                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
 #                                        # loopback ranks, then the loopback GPU tests
-#   bash dev/session.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
+#   bash dev/gpu_runs.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
 #                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
 # see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz; the
@@ -290,7 +290,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash dev/session.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|decode7|ab|model"; exit 2 ;;
+    echo "usage: bash dev/gpu_runs.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|decode7|ab|model"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"
