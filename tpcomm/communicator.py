@@ -664,16 +664,8 @@ class Communicator:
                                           self._signer(op), call), record)
 
     def _run(self, op: str, launches, record=None) -> None:
-        """Launch ``launches`` (KernelCalls) under :meth:`_launching`. A call of several launches (chunks)
-        compiles every launch's kernel before the first is launched: a chunk of other sizes can be
-        another specialisation, and compiling it while the first chunk's kernel already waits for its
-        peers would hold the launches of the ranks issued after this one (loopback ranks, one host
-        thread) back past their timeout."""
+        """Launch ``launches`` (KernelCalls, made as they are consumed) under :meth:`_launching`."""
         with self._launching(op, record):
-            launches = list(launches)
-            if len(launches) > 1:
-                for call in launches:
-                    call.compile()
             for call in launches:
                 self._launch(call)
 

@@ -74,13 +74,6 @@ class KernelCall:
         """Launch it; returns Triton's ``CompiledKernel`` (None under the interpreter)."""
         return self.kernel[(self.grid,)](*self.params, **self.options)
 
-    def compile(self) -> None:
-        """Compile the kernel for these parameters (Triton's ``warmup``: the same specialisation as
-        :meth:`launch`, nothing launched); nothing under the interpreter, which compiles nothing."""
-        warmup = getattr(self.kernel, "warmup", None)
-        if warmup is not None and not interpreter_enabled():
-            warmup(*self.params, grid=(self.grid,), **self.options)
-
 
 def direct_launch_supported(device: torch.device, enabled: bool = True) -> bool:
     """Whether replays on ``device`` may call the compiled kernel's launcher: ``enabled``
