@@ -286,7 +286,8 @@ class Communicator:
             return out
         width = dispatch.all_reduce_width(n, x.element_size(), self.workspace, plan.algorithm)
         if plan.algorithm == "fallback":
-            out.copy_(reference.all_reduce_reference(x, self.group))
+            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+                out.copy_(reference.all_reduce_reference(x, self.group))
             return out
         # an out that overlaps x other than in place would be written while peers and this rank still
         # read x: reduce from a copy. The kernels address x and out flat, whatever their shape.
@@ -445,12 +446,13 @@ class Communicator:
         if x.numel() == 0:
             return result()
         if plan.algorithm == "fallback":
-            o, ro = reference.fused_add_rmsnorm_reference(x, residual, weight, eps, gemma, self.group)
-            out.copy_(o)
-            if residual_out is not None:
-                residual_out.copy_(ro)
-            if qout is not None:
-                qout.fill_from(out)
+            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+                o, ro = reference.fused_add_rmsnorm_reference(x, residual, weight, eps, gemma, self.group)
+                out.copy_(o)
+                if residual_out is not None:
+                    residual_out.copy_(ro)
+                if qout is not None:
+                    qout.fill_from(out)
             return result()
         launch_quant = qout.launch_args(self.device, emit_unquantized) if qout else None
         # contiguous, any number of dimensions: the kernels take flat pointers (_run_rows flattens a
@@ -519,7 +521,8 @@ class Communicator:
         if as_bytes:
             n *= x.element_size()  # from here on, n counts what the kernel moves
         if plan.algorithm == "fallback":
-            out.copy_(reference.all_gather_reference(x, self.group))
+            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+                out.copy_(reference.all_gather_reference(x, self.group))
             return out
         src, dst = x.contiguous(), out  # addressed flat
         if as_bytes:
@@ -591,7 +594,8 @@ class Communicator:
             out.copy_(s[start:start + length])
             return out
         if plan.algorithm == "fallback":
-            out.copy_(reference.reduce_scatter_reference(x, self.group))
+            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+                out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
         xc = x.contiguous()  # addressed flat
         launched = [] if key is not None else None

@@ -297,6 +297,25 @@ def fallback_env_case(ctx, seed, shape, dtype):
         fb.close()
 
 
+def requires_grad_case(ctx, seed, shape, dtype, algo):
+    """The all-reduce, the fused op and reduce-scatter of inputs that require grad (activations of a
+    model run outside ``torch.no_grad``), under ``algo`` (``fallback``: through torch.distributed):
+    their results and whether each output requires grad."""
+    comm = new_communicator(algo=algo)
+    try:
+        H = shape[-1]
+        x = all_inputs(seed, ctx.world_size, shape, dtype)[ctx.rank].clone().requires_grad_(True)
+        res = residual_input(seed, shape, dtype).requires_grad_(True)
+        w = weight_input(seed, H, dtype).requires_grad_(True)
+        got = {"all_reduce": comm.all_reduce(x), "fused": comm.fused_add_rmsnorm(x, res, w),
+               "reduce_scatter": comm.reduce_scatter(x)}
+        return {"plan": comm.plan("all_reduce", x.numel() * x.element_size(), x.numel(), dtype).algorithm,
+                "grad": {k: [t.requires_grad for t in (v if isinstance(v, tuple) else (v,))] for k, v in got.items()},
+                "values": {k: tuple(t.detach() for t in (v if isinstance(v, tuple) else (v,))) for k, v in got.items()}}
+    finally:
+        comm.close()
+
+
 def life_cycle_case(ctx):
     """Create, use, close twice, then call: RuntimeError naming the op. Also as a context manager.
     Reports the tpcomm shared-memory files of this process seen at each point."""
