@@ -62,6 +62,8 @@ class Communicator:
     ops of :mod:`tpcomm.ops`, which find it through a weak registry.
 
     Raises:
+        TypeError: ``group`` is not a ``torch.distributed.ProcessGroup`` (nor None), on this rank alone
+            (nothing is exchanged before the check).
         TypeError, ValueError: ``max_bytes`` or ``timeout_s`` is out of range or of the wrong type, or a
             ``TPCOMM_*`` variable is invalid, on this rank; on the other ranks a ValueError naming the
             rank that refused (every rank raises, none waits for it); or this process is not a member of
@@ -78,6 +80,9 @@ class Communicator:
             raise RuntimeError("Communicator: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first (or use tpcomm.launch)")
         self.group = group if group is not None else dist.group.WORLD
+        if not isinstance(self.group, dist.ProcessGroup) and self.group is not dist.GroupMember.NON_GROUP_MEMBER:
+            raise TypeError(f"Communicator: group must be a torch.distributed ProcessGroup (or None: the default "
+                            f"group), got {type(group).__name__} {group!r}")
         if self.group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on other ranks
             raise ValueError("Communicator: this process is not a member of group (torch.distributed.new_group "
                              "returns a placeholder on the ranks it leaves out); create the Communicator only "

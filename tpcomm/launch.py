@@ -153,7 +153,7 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
         ``fn``'s return values, in rank order.
     Raises:
         TypeError: ``world_size`` is not an int, or ``args`` is not a tuple (or list).
-        ValueError: ``world_size`` or ``device`` is invalid.
+        ValueError: ``world_size``, ``device`` or ``timeout_s`` is invalid.
         RankFailure: a rank raised or crashed, or the ranks ran past ``timeout_s``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -161,6 +161,8 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"launch: args must be a tuple of fn's extra arguments, got {type(args).__name__} "
                         "(pass args=(value,) for one)")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"launch: timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
     device = device or default_device()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"launch: device must be 'cuda' or 'cpu', got {device!r}")

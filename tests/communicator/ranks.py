@@ -218,7 +218,8 @@ def constructor_error_case(ctx, case):
                   "max_bytes_differ": {"max_bytes": 4096 * (ctx.rank + 1)},  # collective: every rank
                   "timeout_zero": {"timeout_s": 0}, "timeout_negative": {"timeout_s": -1.0},
                   "timeout_inf": {"timeout_s": float("inf")}, "algo_env": {},
-                  "max_bytes_float": {"max_bytes": 4096.5}, "timeout_str": {"timeout_s": "abc"}}[case]
+                  "max_bytes_float": {"max_bytes": 4096.5}, "timeout_str": {"timeout_s": "abc"},
+                  "group_str": {"group": "world"}}[case]
         return raised(lambda: tpcomm.Communicator(**kwargs))
     finally:
         if saved is None:

@@ -94,6 +94,7 @@ BAD_CONSTRUCTOR = {
     "algo_env": (ValueError, "TPCOMM_ALGO"),
     "max_bytes_float": (TypeError, "max_bytes"),
     "timeout_str": (TypeError, "timeout_s"),
+    "group_str": (TypeError, "group"),  # every rank passes it: each refuses it before any exchange
 }
 
 

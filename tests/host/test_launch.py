@@ -87,6 +87,13 @@ def test_launch_bad_argument_types(world_size, args, word):
         launch(ranks.launch_sleep, world_size, "cpu", args=args)
 
 
+@pytest.mark.parametrize("timeout_s", ["auto", 0, -1.0, float("inf"), True], ids=str)
+def test_launch_bad_timeout(timeout_s):
+    """A timeout that is not a positive, finite number of seconds is refused before any rank starts."""
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch(ranks.launch_sleep, 2, "cpu", args=(0,), timeout_s=timeout_s)
+
+
 def test_each_launch_gives_its_ranks_the_environment_of_that_moment(monkeypatch):
     """Ranks fork from a server started at the first launch (``rank_context``), yet each launch's ranks
     see the launching process's variables as they are at that launch, set and unset."""
