@@ -129,7 +129,8 @@ if interpreter_enabled():
                      epoch, grace_end, REARM: tl.constexpr, PACK: tl.constexpr = 1):
         """The interpreter's twin of the PTX spin (module docstring): ``words_ptr`` int32 pointers to
         each vector's first word, ``[V]``; ``active`` ``[V]`` bool; ``tag_ptr`` the sender's int64 tag.
-        Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32."""
+        Returns ``(w0, w1, w2, w3, status)``, each ``[V]`` int32. ``PACK`` changes nothing here: the
+        twin polls the whole tile each round."""
         tag, w0, w1, w2, w3, missing = _poll(words_ptr, active, tag_ptr, want_low)
         now = now_ns()
         told = now * 0
@@ -197,20 +198,12 @@ else:
                 active.to(tl.int32), signature + zero, abort_at.to(tl.int64) + addr * 0,
                 abort_idx.to(tl.int64) * 8 + addr * 0, abort_word(epoch) + addr * 0, grace_end + addr * 0,
                 abort_off.to(tl.int64) * 8 + addr * 0]
+        asm: tl.constexpr = ((SPIN2_REARM if REARM else SPIN2_KEEP) if PACK == 2
+                             else (SPIN_REARM if REARM else SPIN_KEEP))
+        constraints: tl.constexpr = SPIN2_CONSTRAINTS if PACK == 2 else SPIN_CONSTRAINTS
         i32 = tl.int32
-        if PACK == 2:  # two vectors a thread in one spin
-            if REARM:
-                w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                    SPIN2_REARM, SPIN2_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=2)
-            else:
-                w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                    SPIN2_KEEP, SPIN2_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=2)
-        elif REARM:
-            w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_REARM, SPIN_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=1)
-        else:
-            w0, w1, w2, w3, status = tl.inline_asm_elementwise(
-                SPIN_KEEP, SPIN_CONSTRAINTS, args, dtype=(i32, i32, i32, i32, i32), is_pure=False, pack=1)
+        w0, w1, w2, w3, status = tl.inline_asm_elementwise(asm, constraints, args, dtype=(i32, i32, i32, i32, i32),
+                                                           is_pure=False, pack=PACK)
         return w0, w1, w2, w3, status
 
 
