@@ -673,8 +673,17 @@ class Communicator:
                                           self._signer(op), call), record)
 
     def _run(self, op: str, launches, record=None) -> None:
-        """Launch ``launches`` (KernelCalls, made as they are consumed) under :meth:`_launching`."""
+        """Launch ``launches`` (KernelCalls) under :meth:`_launching`. A call of several launches (chunks)
+        compiles and loads every launch's kernel before it launches the first: a chunk of other sizes is
+        another specialisation, and loading a module while this rank's first chunk already waits for its
+        peers can wait for that chunk (CUDA's lazy loading may synchronise the context), which holds back
+        the launches a host thread issues for the other ranks after this one (loopback ranks) until the
+        peer timeout (docs/reliability.md, "A call of several launches")."""
         with self._launching(op, record):
+            launches = list(launches)
+            if len(launches) > 1:
+                for call in launches:
+                    call.load()
             for call in launches:
                 self._launch(call)
 

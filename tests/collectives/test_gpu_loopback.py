@@ -197,6 +197,35 @@ def test_a_missing_peer_raises_instead_of_hanging(algo):
 
 
 @pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot"])
+def test_a_first_call_of_chunks_of_other_sizes_loads_before_it_waits(monkeypatch, tmp_path, algo):
+    """The first call of a shape whose last chunk is one row (another specialisation of the kernel than
+    the other chunk) with an empty kernel cache and a timeout of 1 s: every chunk's kernel is loaded
+    before rank 0's first chunk waits for rank 1, so both ranks complete with the reference's bits."""
+    from tpcomm import reference as R
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    H, max_bytes = 1992, 1 << 16  # an H no other test compiles; 16 rows of fp16 a chunk
+    T = max_bytes // (2 * H) + 1
+    ranks = loopback_group(2, max_bytes=max_bytes, timeout_s=1.0)
+    try:
+        xs, res, w = _inputs(2, T, H, torch.float16, seed=5)
+        o_ref, ro_ref = R.add_rmsnorm_reference(R.reduce_in_rank_order(xs), res, w, 1e-6)
+
+        def call(rank):
+            with rank.use_algorithm(algo):
+                return rank.fused_add_rmsnorm(xs[rank.rank], res, w, 1e-6)
+        got = run_ranks(ranks, call)
+        torch.cuda.synchronize()
+        for r, (out, res_out) in enumerate(got):
+            assert _same(out, o_ref) and _same(res_out, ro_ref), f"rank {r}"
+        for rank in ranks:
+            rank.check()
+    finally:
+        close_group(ranks)
+
+
+@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot"])
 def test_a_late_rank_fails_the_call_its_peer_gave_up_on(algo):
     """Rank 1 issues its call after rank 0's kernel gave up on it (timeout and grace): rank 0 raises
     ``PeerTimeoutError`` naming rank 1 and rank 1 ``PeerAbortedError`` naming rank 0, both for the same

@@ -74,6 +74,20 @@ class KernelCall:
         """Launch it; returns Triton's ``CompiledKernel`` (None under the interpreter)."""
         return self.kernel[(self.grid,)](*self.params, **self.options)
 
+    def load(self) -> None:
+        """Compile the kernel for these parameters and load its module onto the current device, launching
+        nothing (Triton's ``warmup``, the same specialisation as :meth:`launch`, then the
+        ``CompiledKernel``'s handles); nothing under the interpreter, which compiles nothing. Loading a
+        module can wait for the device's running kernels (CUDA's lazy loading may synchronise the
+        context), so a rank loads what a call needs before its first kernel waits for its peers."""
+        warmup = getattr(self.kernel, "warmup", None)
+        if warmup is None or interpreter_enabled():
+            return
+        compiled = warmup(*self.params, grid=(self.grid,), **self.options)
+        init_handles = getattr(compiled, "_init_handles", None)
+        if init_handles is not None:
+            init_handles()
+
 
 def direct_launch_supported(device: torch.device, enabled: bool = True) -> bool:
     """Whether replays on ``device`` may call the compiled kernel's launcher: ``enabled``
