@@ -45,7 +45,7 @@
 #   bash dev/gpu_runs.sh decode2   # ONE GPU (carry [".whl"]): host time at 25 and 200 calls a batch, the
 #                                        # loopback bench with a grid cap of 32 (1-4096 tokens), 4 loopback ranks
 # (from the repository root; kind nvidia-h200-x2, timeout_s 600; the sweep part needs carry [".whl"],
-# see docs/benchmarks.md "FlashInfer on the GPU machine"). Logs are tarred into $OUT/results.tgz; the
+# see docs/flashinfer-offline.md). Logs are tarred into $OUT/results.tgz; the
 # exit status is 1 when a step's summary line records a non-zero rc.
 : "${OUT:?OUT must name the folder whose files come back (the device tool sets it)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -76,7 +76,7 @@ one_gpu_tests() {
 }
 
 # Run "$@" with FlashInfer importable: its wheels and AOT modules from .whl/ (carry [".whl"]; see
-# docs/benchmarks.md "FlashInfer on the GPU machine") installed into a temporary site.
+# docs/flashinfer-offline.md) installed into a temporary site.
 with_flashinfer() {
     site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" $ROOT/.whl/*.whl
     mkdir -p "$site/flashinfer/data/aot" && cp -r $ROOT/.whl/aot/* "$site/flashinfer/data/aot/"
