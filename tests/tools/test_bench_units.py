@@ -194,3 +194,24 @@ def test_loopback_mode_takes_one_world_size_and_needs_a_gpu(capsys):
     if not torch.cuda.is_available():
         assert run_bench(p.parse_args(["--loopback"])) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_a_loopback_child_killed_midway_keeps_its_finished_rows():
+    """``bench --loopback`` runs each library in a child with a time limit: the rows a child printed
+    before it was killed, or before it failed, are kept, and the note says what happened."""
+    import sys
+
+    from tpcomm.bench.loopback import _collect
+
+    script = ("import json, sys, time\n"
+              "print('ROW ' + json.dumps({'op': 'all_reduce', 'tokens': 1}), flush=True)\n"
+              "print('noise', flush=True)\n"
+              "print('ROW ' + json.dumps({'op': 'fused', 'tokens': 1}), flush=True)\n"
+              "time.sleep(float(sys.argv[1])); sys.exit(int(sys.argv[2]))\n")
+    rows, note = _collect([sys.executable, "-c", script, "60", "0"], 3.0, "trtllm at hidden 8192")
+    assert [r["op"] for r in rows] == ["all_reduce", "fused"]
+    assert note == "trtllm at hidden 8192: killed after 3 s with 2 rows done"
+    rows, note = _collect([sys.executable, "-c", script, "0", "3"], 30.0, "tpcomm at hidden 6144")
+    assert len(rows) == 2 and note.startswith("tpcomm at hidden 6144: exit 3")
+    rows, note = _collect([sys.executable, "-c", script, "0", "0"], 30.0, "x")
+    assert len(rows) == 2 and note == ""

@@ -16,9 +16,10 @@ replays of the replay's time divided by ``calls``. The peer's data never crosses
 the kernels' own costs, to compare kernels on a machine with one GPU.
 
 Never a hang: each (library, hidden size) runs in a child process with a time limit (a kernel that spins
-forever ends with its process); FlashInfer's loopback rows stop at ``fi_max_tokens`` (at 256 tokens its
-grid outgrows what two ranks can keep resident on one GPU, and it spun), and it runs only at world
-sizes it supports (2, 4, 8, 16).
+forever ends with its process; ``CHILD_TIMEOUT_S``), which prints each row as it is done, so a child
+killed midway keeps the rows it finished and the notes say how many; FlashInfer's loopback rows stop
+at ``fi_max_tokens`` (at 256 tokens its grid outgrows what two ranks can keep resident on one GPU, and
+it spun), and it runs only at world sizes it supports (2, 4, 8, 16).
 
     python -m tpcomm bench --loopback [--world 2] [--hidden 4096,6144,8192] [--tokens 1,16,64,256,1024,4096]
                                       [--programs N]
@@ -42,8 +43,10 @@ FI_MAX_TOKENS = 64
 FI_WORLDS = (2, 4, 8, 16)
 #: Ops, and FlashInfer's pattern for each.
 OPS = ("all_reduce", "fused", "fused_fp8")
-#: Seconds a child (one library at one hidden size) may take.
-CHILD_TIMEOUT_S = 300.0
+#: Seconds a child (one library at one hidden size) may take: tpcomm's compiles its kernels; FlashInfer's
+#: loads prebuilt modules and takes 10-20 s on one H200, so a longer one is stuck (its loopback at 4 ranks
+#: and hidden 8192 never ends: docs/benchmarks.md).
+CHILD_TIMEOUT_S = {"tpcomm": 300.0, "trtllm": 90.0}
 
 
 def _inputs(W: int, T: int, H: int, seed: int):
@@ -132,6 +135,7 @@ def _tpcomm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float,
                 if ok:
                     row["us"] = graph_us(lambda r: fn(ranks[r]), [rk.stream for rk in ranks], calls, replays)
                 rows.append(row)
+                _emit(row)
         for rk in ranks:
             rk.check()
     finally:
@@ -224,7 +228,13 @@ def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -
             if ok:
                 row["us"] = graph_us(issue, streams, calls, replays)
             rows.append(row)
+            _emit(row)
     return rows
+
+
+def _emit(row: dict) -> None:
+    """Print one finished row for the parent (:func:`_run_child`), at once: a child killed later keeps it."""
+    print("ROW " + json.dumps(row), flush=True)
 
 
 # -- driver --------------------------------------------------------------------------------------------------
@@ -240,14 +250,29 @@ def _run_child(library: str, W: int, H: int, tokens, calls: int, replays: int, e
                max_programs: int | None = None) -> tuple[list, str]:
     cmd = [sys.executable, "-m", "tpcomm.bench.loopback", library, str(W), str(H), ",".join(map(str, tokens)),
            str(calls), str(replays), repr(eps), str(max_programs or 0)]
+    return _collect(cmd, CHILD_TIMEOUT_S[library], f"{library} at hidden {H}, tokens {tokens}")
+
+
+def _collect(cmd: list, limit: float, label: str) -> tuple[list, str]:
+    """Run the child ``cmd`` for at most ``limit`` seconds: ``(rows, note)``, the rows it printed
+    (:func:`_emit`, those of a killed or failed child included) and, when it was killed, failed or printed
+    none, a note that starts with ``label``."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        return [], f"{library} at hidden {H}, tokens {tokens}: no result within {CHILD_TIMEOUT_S:.0f} s (killed)"
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ROWS ")]
-    if done.returncode or not lines:
-        return [], f"{library} at hidden {H}, tokens {tokens}: exit {done.returncode}: {done.stderr.strip()[-600:]}"
-    return json.loads(lines[-1][5:]), ""
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=dict(os.environ))
+    except subprocess.TimeoutExpired as e:
+        rows = _child_rows(e.stdout)
+        return rows, f"{label}: killed after {limit:.0f} s with {len(rows)} rows done"
+    rows = _child_rows(done.stdout)
+    if done.returncode or not rows:
+        return rows, f"{label}: exit {done.returncode}: {done.stderr.strip()[-600:]}"
+    return rows, ""
+
+
+def _child_rows(stdout) -> list[dict]:
+    """The rows a child printed (:func:`_emit`); ``stdout`` as text, bytes (a killed child's) or None."""
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    return [json.loads(ln[4:]) for ln in (stdout or "").splitlines() if ln.startswith("ROW ")]
 
 
 def _version(module: str) -> str | None:
@@ -320,6 +345,5 @@ def main(world_size: int = 2, hiddens=(4096, 6144, 8192), tokens=(1, 16, 64, 256
 
 if __name__ == "__main__":
     lib, W, H, toks, n_calls, n_replays, e, programs = sys.argv[1:9]
-    out = child(lib, int(W), int(H), [int(t) for t in toks.split(",")], int(n_calls), int(n_replays), float(e),
-                int(programs) or None)
-    print("ROWS " + json.dumps(out), flush=True)
+    child(lib, int(W), int(H), [int(t) for t in toks.split(",")], int(n_calls), int(n_replays), float(e),
+          int(programs) or None)  # each row printed as it is done
