@@ -48,7 +48,7 @@ from .epilogue import (
 )
 from .launch import KernelCall
 from .quant import widen
-from .spin import spin_peers, spin_vectors, tag_low, tag_value, words_to_elems
+from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .sync import (
     ERR_MISMATCH,
     ERR_TIMEOUT,
@@ -73,15 +73,6 @@ from .sync import (
 
 #: The sentinel's bits, as int16: 0x8000 (-0.0 in bf16 and fp16).
 SENTINEL = tl.constexpr(-32768)
-#: Slots a spin over several peers covers (``spin.spin_peers``): a thread holds every word of them at
-#: once, and more than four slots' words of two vectors a thread spill at 16 warps (sm_90 build).
-PEER_GROUP = tl.constexpr(4)
-
-
-@triton.constexpr_function
-def _group_size(world, first):
-    """Slots of the spin over several peers that starts at slot ``first``."""
-    return min(4, world - first)
 
 
 @triton.jit
@@ -172,28 +163,15 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     want_low = tag_low(epoch)
     fault = tl.zeros([BLOCK_H // 8], dtype=tl.int32)
-    if WORLD == 2:  # one peer
-        for q in tl.static_range(WORLD):
-            if q == rank:
-                acc += own
-            else:
-                w0, w1, w2, w3, status = spin_vectors(recv_words_ptr + q * slot_words + vi * 4, active,
-                                                      tag_ptr + q, want_low, signature, deadline, table_ptr + q,
-                                                      abort_off, tell_at, epoch, grace_end, REARM, PACK)
-                fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
-                acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
-    else:  # the peers of up to PEER_GROUP slots in one loop: their loads issued together each round
-        for first in tl.static_range(0, WORLD, PEER_GROUP):
-            words = spin_peers(recv_words_ptr + vi * 4, slot_words, active, tag_ptr, want_low, signature, deadline,
-                               table_ptr, abort_off, tell_at, epoch, grace_end, rank, first,
-                               _group_size(WORLD, first), REARM, PACK)
-            for i in tl.static_range(_group_size(WORLD, first)):
-                if first + i == rank:
-                    acc += own
-                else:
-                    acc += widen(words_to_elems(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
-                                                DTYPE))
-            fault = tl.maximum(fault, words[4 * _group_size(WORLD, first)])
+    for q in tl.static_range(WORLD):
+        if q == rank:
+            acc += own
+        else:
+            w0, w1, w2, w3, status = spin_vectors(recv_words_ptr + q * slot_words + vi * 4, active, tag_ptr + q,
+                                                  want_low, signature, deadline, table_ptr + q, abort_off,
+                                                  tell_at, epoch, grace_end, REARM, PACK)
+            fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
+            acc += widen(words_to_elems(w0, w1, w2, w3, DTYPE))
     # status 2 (another call's tag): ERR_MISMATCH; 1 (timed out): ERR_TIMEOUT
     code = tl.where(fault >= 512, ERR_MISMATCH, ERR_TIMEOUT)
     failed = (fault != 0) & (fault * 0 + record.to(tl.int32) != 0)  # a tensor mask (the interpreter's too)

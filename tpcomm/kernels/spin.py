@@ -100,88 +100,6 @@ def _constraints(n: int) -> str:
     return ",".join(["=&r"] * (5 * n) + [k for k in kinds for _ in range(n)])
 
 
-@triton.constexpr_function  # a kernel's compile-time string, from the kernel's constexprs
-def _spin_peers_asm(first: int, count: int, n: int, rearm: bool) -> str:
-    """The PTX of the spin over the vectors of the peers in slots ``first .. first + count - 1`` at once
-    (``n`` vectors a thread, 1 or 2): each round issues the loads of every peer's vectors that still hold a sentinel half, and
-    every pending peer's call tag, before testing any, so a call waits one round trip after the last
-    peer's data lands rather than one per peer. Outputs (``pack=n``: operand ``k`` of element ``e`` is
-    ``$(k * n + e)``): the words ``w0-w3`` of slot ``first + i`` as outputs ``4i .. 4i + 3`` (zeros in
-    this rank's own slot, which is never loaded), then the fault, ``status * 256 + peer`` (0: every peer
-    arrived; status 1: timed out, the largest peer still missing; 2: that peer's tag of this epoch
-    carries another call's signature, at once). Inputs: the vector's address in slot 0, the bytes
-    between slots, the address of slot 0's call tag (slot ``q``'s 8 ``q`` bytes on), the tag's
-    expected low word, the deadline, active, the signature, the address of slot 0's entry in the
-    address table (8-byte entries), the byte offset of this rank's abort word in a peer (negative:
-    store none), the abort word, the end of the grace, the byte offset of a peer's state word, this
-    rank. Past the deadline each peer still missing is told once (its abort word, then its
-    ``sync.NOTIFIED_BIT``, a release); at the end a told peer that arrived gets its word withdrawn.
-    With ``rearm``, once every peer arrived, the thread stores the sentinel into every vector it read."""
-    out = lambda k, e: f"${k * n + e}"  # noqa: E731
-    base = (4 * count + 1) * n
-    inp = lambda k, e=0: f"${base + k * n + e}"  # noqa: E731
-    es, qs = range(n), range(first, first + count)
-    wd = lambda q, k, e: out(4 * (q - first) + k, e)  # noqa: E731  word k of slot q's vector e
-    pp = lambda q, e: f"%pp{q * n + e}"  # noqa: E731  slot q's vector e still holds a sentinel half
-    lines = ["{", f".reg .pred %pm, %pt, %pu, %pa<{n}>, %pp<{(first + count) * n}>, %pq<{first + count}>, %pr<{first + count}>;",
-             ".reg .b32 %h, %tl, %th, %told, %f;", f".reg .u64 %now, %a, %s, %v, %tg<{first + count}>;"]
-    lines += [f"mov.b32 {out(k, e)}, 0;" for e in es for k in range(4 * count + 1)]
-    lines += ["mov.b32 %told, 0;", "mov.b32 %f, 0;"]
-    lines += [f"setp.ne.s32 %pa{e}, {inp(5, e)}, 0;" for e in es]
-    lines += ["mov.pred %pm, %pa0;"] + [f"or.pred %pm, %pm, %pa{e};" for e in es if e] + ["@!%pm bra DONE;"]
-    for q in qs:  # %pq: slot q is a peer's; %pr: that peer is still missing (data or tag)
-        lines += [f"setp.ne.u32 %pq{q}, {inp(12)}, {q}; mov.pred %pr{q}, %pq{q};"]
-        lines += [f"and.pred {pp(q, e)}, %pq{q}, %pa{e};" for e in es]
-    lines += ["SPIN:"]
-    for q in qs:
-        for e in es:
-            lines += [f"@{pp(q, e)} mad.lo.u64 %v, {inp(1)}, {q}, {inp(0, e)};",
-                      f"@{pp(q, e)} ld.volatile.global.v4.b32 {{{', '.join(wd(q, k, e) for k in range(4))}}}, [%v];"]
-        lines += [f"@%pr{q} ld.volatile.global.u64 %tg{q}, [{inp(2)}+{8 * q}];"]
-    lines += ["setp.ne.u32 %pm, %told, %told;"]  # false: no peer known missing yet this round
-    for q in qs:
-        lines += [f"@!%pr{q} bra C{q};", f"mov.b64 {{%tl, %th}}, %tg{q};", f"setp.eq.u32 %pt, %tl, {inp(3)};",
-                  f"setp.ne.and.u32 %pt, %th, {inp(6)}, %pt;", f"@%pt mov.b32 %f, {512 + q};", "@%pt bra OTHER;",
-                  f"setp.ne.u32 %pu, %tl, {inp(3)};"]
-        for e in es:
-            for k in range(4):
-                w = wd(q, k, e)
-                test = "setp.eq.u32 %pt, %h, 32768;" if k == 0 else "setp.eq.or.u32 %pt, %h, 32768, %pt;"
-                lines += [f"and.b32 %h, {w}, 65535; {test}", f"shr.u32 %h, {w}, 16; setp.eq.or.u32 %pt, %h, 32768, %pt;"]
-            lines += [f"mov.pred {pp(q, e)}, %pt; or.pred %pu, %pu, %pt;"]
-        lines += [f"mov.pred %pr{q}, %pu; or.pred %pm, %pm, %pu;", f"C{q}:"]
-    lines += ["@!%pm bra ARRIVED;", "mov.u64 %now, %globaltimer;", f"setp.lt.u64 %pt, %now, {inp(4)};",
-              "@%pt bra SPIN;", "setp.ne.u32 %pt, %told, 0;", f"setp.lt.or.s64 %pt, {inp(8)}, 0, %pt;",
-              "@%pt bra GRACE;", "mov.b32 %told, 1;"]
-    for q in qs:  # tell every peer still missing, once
-        lines += [f"@!%pr{q} bra T{q};", f"ld.global.u64 %a, [{inp(7)}+{8 * q}];", f"add.u64 %s, %a, {inp(11)};",
-                  f"add.u64 %a, %a, {inp(8)};", f"st.global.u64 [%a], {inp(9)};", f"mov.u64 %v, {NOTIFIED_FLAG};",
-                  "red.release.sys.global.or.b64 [%s], %v;", f"or.b32 %told, %told, {2 << q};", f"T{q}:"]
-    lines += ["GRACE:", f"setp.lt.u64 %pt, %now, {inp(10)};", "@%pt bra SPIN;"]
-    lines += [f"@%pr{q} mov.b32 %f, {256 + q};" for q in qs] + ["bra WITHDRAW;", "OTHER:"]
-    lines += [f"selp.b32 {out(4 * count, e)}, %f, 0, %pa{e};" for e in es] + ["bra DONE;", "ARRIVED:", "WITHDRAW:"]
-    for q in qs:  # a told peer that arrived within the grace: its word withdrawn
-        lines += [f"and.b32 %h, %told, {2 << q}; setp.eq.u32 %pt, %h, 0;", f"@%pt bra W{q};", f"@%pr{q} bra W{q};",
-                  f"ld.global.u64 %a, [{inp(7)}+{8 * q}];", f"add.u64 %a, %a, {inp(8)};", "mov.u64 %v, 0;",
-                  "st.global.u64 [%a], %v;", f"W{q}:"]
-    lines += [f"selp.b32 {out(4 * count, e)}, %f, 0, %pa{e};" for e in es]
-    if rearm:
-        lines += ["setp.ne.u32 %pt, %f, 0;", "@%pt bra DONE;", "mov.b32 %h, -2147450880;"]
-        for q in qs:
-            for e in es:
-                lines += [f"and.pred %pu, %pq{q}, %pa{e};", f"@%pu mad.lo.u64 %v, {inp(1)}, {q}, {inp(0, e)};",
-                          f"@%pu st.global.v4.b32 [%v], {{%h, %h, %h, %h}};"]
-    lines += ["DONE:", "}"]
-    return "\n".join(lines)
-
-
-@triton.constexpr_function
-def _peers_constraints(count: int, n: int) -> str:
-    """The operand constraints of :func:`_spin_peers_asm` (outputs early-clobber)."""
-    kinds = ["l", "l", "l", "r", "l", "r", "r", "l", "l", "l", "l", "l", "r"]
-    return ",".join(["=&r"] * ((4 * count + 1) * n) + [k for k in kinds for _ in range(n)])
-
-
 #: The spins of one and of two vectors a thread, re-arming what they read or leaving it, and their
 #: constraint strings.
 SPIN_REARM = tl.constexpr(_spin_asm(1, True))
@@ -190,12 +108,6 @@ SPIN2_REARM = tl.constexpr(_spin_asm(2, True))
 SPIN2_KEEP = tl.constexpr(_spin_asm(2, False))
 SPIN_CONSTRAINTS = tl.constexpr(_constraints(1))
 SPIN2_CONSTRAINTS = tl.constexpr(_constraints(2))
-
-
-@triton.constexpr_function
-def _peers_dtypes(count):
-    """The dtypes of :func:`_spin_peers_asm`'s outputs: ``4 * count + 1`` int32."""
-    return (tl.int32,) * (4 * count + 1)
 
 
 @triton.jit
@@ -237,27 +149,6 @@ if interpreter_enabled():
             for k in tl.static_range(4):
                 tl.store(words_ptr + k, tl.full(w0.shape, SENTINEL_WORD, tl.int32), mask=arrived)
         return w0, w1, w2, w3, status
-
-    @triton.jit
-    def spin_peers(words_ptr, slot_words, active, tag_ptr, want_low, signature, deadline, table_ptr, abort_off,
-                   abort_idx, epoch, grace_end, rank, FIRST: tl.constexpr, COUNT: tl.constexpr,
-                   REARM: tl.constexpr, PACK: tl.constexpr = 1):
-        """The interpreter's twin of the spin over several peers (:func:`spin_peers` below): the peers one
-        after another through :func:`spin_vectors`'s twin (one thread runs a program here, so nothing is
-        gained by polling them together), the same words and fault."""
-        zero = (words_ptr.to(tl.int64) * 0).to(tl.int32)
-        words = ()
-        fault = zero
-        for q in tl.static_range(FIRST, FIRST + COUNT):
-            if q == rank:
-                words += (zero, zero, zero, zero)
-            else:
-                w0, w1, w2, w3, status = spin_vectors(words_ptr + q * slot_words, active, tag_ptr + q, want_low,
-                                                      signature, deadline, table_ptr + q, abort_off, abort_idx,
-                                                      epoch, grace_end, REARM, PACK)
-                words += (w0, w1, w2, w3)
-                fault = tl.maximum(fault, tl.where(status != 0, status * 256 + q, 0))
-        return words + (fault,)
 
     @triton.jit
     def _has_sentinel(w):
@@ -315,26 +206,6 @@ else:
                                                            is_pure=False, pack=PACK)
         return w0, w1, w2, w3, status
 
-    @triton.jit
-    def spin_peers(words_ptr, slot_words, active, tag_ptr, want_low, signature, deadline, table_ptr, abort_off,
-                   abort_idx, epoch, grace_end, rank, FIRST: tl.constexpr, COUNT: tl.constexpr,
-                   REARM: tl.constexpr, PACK: tl.constexpr = 1):
-        """Spin on the 16-byte vectors of the peers in slots ``FIRST .. FIRST + COUNT - 1`` at once
-        (:func:`_spin_peers_asm`): ``words_ptr`` int32 pointers to each vector in slot 0 (``[V]``, 16-byte
-        aligned), ``slot_words`` int32 words between slots, ``tag_ptr`` slot 0's call tag (int64; slot
-        ``q``'s at ``tag_ptr + q``), ``table_ptr`` slot 0's entry of the address table, ``abort_off``,
-        ``abort_idx`` and ``epoch`` as :func:`spin_vectors`, ``rank`` this rank (its slot is not read).
-        Returns ``4 * COUNT + 1`` int32 ``[V]`` tensors: slot ``FIRST + i``'s words ``w0-w3`` at ``4i ..
-        4i + 3`` (zeros in this rank's slot), then the fault (``status * 256 + peer``, 0 when every peer
-        arrived). One thread per vector when ``REARM``; ``PACK=2`` spins a thread's two vectors together."""
-        addr = words_ptr.to(tl.int64)
-        zero = (addr * 0).to(tl.int32)
-        args = [addr, slot_words.to(tl.int64) * 4 + addr * 0, tag_ptr.to(tl.int64) + addr * 0, want_low + zero,
-                deadline + addr * 0, active.to(tl.int32), signature + zero, table_ptr.to(tl.int64) + addr * 0,
-                abort_idx.to(tl.int64) * 8 + addr * 0, abort_word(epoch) + addr * 0, grace_end + addr * 0,
-                abort_off.to(tl.int64) * 8 + addr * 0, rank + zero]
-        return tl.inline_asm_elementwise(_spin_peers_asm(FIRST, COUNT, PACK, REARM), _peers_constraints(COUNT, PACK),
-                                         args, dtype=_peers_dtypes(COUNT), is_pure=False, pack=PACK)
 
 @triton.jit
 def words_to_elems(w0, w1, w2, w3, DTYPE: tl.constexpr):
