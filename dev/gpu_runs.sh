@@ -38,6 +38,10 @@
 #                                        # TESTS=1: then the loopback and FP8 GPU tests
 #   bash dev/gpu_runs.sh forms     # ONE GPU (carry [".whl-hf"]): the quant forms bench in loopback, then
 #                                        # tpcomm demo --model llama and gemma on loopback ranks
+#   TREES=". .v" bash dev/gpu_runs.sh worlds  # ONE GPU (carry [".whl"] and each tree): the decode bench at 4
+#                                        # loopback ranks (TRT-LLM beside; then one-shot forced), at 2 ranks
+#                                        # (TRT-LLM beside; then each other tree; WORLDS="4 2" picks the
+#                                        # parts); TESTS=1: the 3- and 4-rank tests
 #   bash dev/gpu_runs.sh verify    # ONE GPU: every one-GPU test file at once (VERIFY_S each)
 #   bash dev/gpu_runs.sh model     # ONE GPU (carry [".whl-hf"]: transformers and its dependencies as
 #                                        # wheels for Python 3.12): tpcomm demo --model llama and gemma on
@@ -254,6 +258,30 @@ forms)
     timeout ${QUANT_S:-240} python3 benchmarks/quant_loopback.py --out $W/quant_loopback.jsonl > $W/quant_loopback.log 2>&1
     echo "quant_loopback rc=$?" >> $W/summary.txt
     model_demos ;;
+worlds)
+    # One GPU (carry [".whl"] and every tree of TREES): the decode bench (HIDDEN4, 1-64 tokens) at 4 loopback
+    # ranks with TRT-LLM beside, the same with TPCOMM_ALGO=one_shot (the 4-rank crossover), then at 2 ranks
+    # (HIDDEN2) with TRT-LLM beside and each other tree of TREES after it (WORLDS="4 2": which of the
+    # two parts run); then, with TESTS=1, the loopback tests at 3 and 4 ranks and the fault tests.
+    bench() { name=$1; shift; timeout ${BENCH_S:-130} python3 -m tpcomm bench --loopback --tokens 1,16,64 \
+        --json $W/bench-$name.json "$@" > $W/bench-$name.log 2>&1; echo "bench-$name rc=$?" >> $W/summary.txt; }
+    if [[ " ${WORLDS:-4 2} " == *" 4 "* ]]; then
+        with_flashinfer bench w4 --world 4 --hidden ${HIDDEN4:-4096,6144}
+        TPCOMM_ALGO=one_shot bench w4-one_shot --world 4 --hidden ${HIDDEN4:-4096,6144}
+    fi
+    if [[ " ${WORLDS:-4 2} " == *" 2 "* ]]; then
+        with_flashinfer bench w2 --world 2 --hidden ${HIDDEN2:-4096,6144,8192}
+        for tree in ${TREES:-}; do
+            [ "$tree" = . ] && continue
+            cp tpcomm/bench/loopback.py tpcomm/bench/args.py $tree/tpcomm/bench/
+            (cd $tree && bench w2-$(basename $tree) --world 2 --hidden ${HIDDEN2:-4096,6144,8192})
+        done
+    fi
+    if [ "${TESTS:-0}" = 1 ]; then
+        timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py \
+            -k "w3 or w4 or missing or late or another" > $W/loopback_tests.log 2>&1
+        echo "loopback_tests rc=$?" >> $W/summary.txt; tail -1 $W/loopback_tests.log >> $W/summary.txt
+    fi ;;
 verify)
     # Every one-GPU test file at once, each within VERIFY_S seconds.
     one_gpu_tests ${VERIFY_S:-450} ;;

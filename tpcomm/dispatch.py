@@ -189,14 +189,16 @@ def load_table(path: str) -> CrossoverTable:
     return CrossoverTable.from_json(text)
 
 
-#: Defaults, measured on 2 H200s (NV18) and on 4, bf16, CUDA graphs, by ``tpcomm tune --quick``: each
-#: threshold is set where two algorithms tie or the next one wins (docs/design.md, "Crossover defaults",
-#: gives each measurement). Three ranks use the 2-rank entries, five to eight the 4-rank ones.
+#: Defaults, measured on 2 H200s (NV18) and on 4, bf16, CUDA graphs, by ``tpcomm tune --quick`` (the
+#: fused op's Lamport threshold at 4 ranks with 4 loopback ranks on one H200): each threshold is set where
+#: two algorithms tie or the next one wins (docs/design.md, "Crossover defaults", gives each
+#: measurement). Three ranks use the 2-rank entries, five to eight the 4-rank ones.
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
 _TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-5/tune_w2.log"
 _TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-5/first-call/tune_w4.log"
+_FUSED_W4 = ("Lamport: 4 loopback ranks on 1 H200, docs/data/decode-loopback/peers-spin/; two-shot: " + _TUNED_W4)
 DEFAULT_TABLE = CrossoverTable({
-    "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(16 << 10, 3 << 20, _TUNED_W4)},
+    "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(1 << 20, 3 << 20, _FUSED_W4)},
     "all_reduce": {2: Crossover(4 << 20, 16 << 20, _TUNED), 4: Crossover(1 << 20, 2 << 20, _TUNED_W4)},
     "all_gather": {2: Crossover(0, 0, "one algorithm (push)")},
     "reduce_scatter": {2: Crossover(0, 0, "one algorithm (two-shot's scatter)")},

@@ -92,7 +92,7 @@ def make_config(device: str, world_size: int, steps: int, seed: int = 0, timeout
     """The soak's sizes for ``device``.
 
     GPU: hidden 4096; fused calls at 1-64 tokens (decode) and 512 or 2048 (prefill: 4 and 16 MiB of bf16;
-    at 2 ranks ``auto`` runs Lamport up to 4 MiB and two-shot at 16 MiB, at 4 ranks one-shot from 16 KiB
+    at 2 ranks ``auto`` runs Lamport up to 4 MiB and two-shot at 16 MiB, at 4 ranks Lamport up to 1 MiB
     and two-shot from 3 MiB); flat all-reduces from one element to 12 MiB; a second
     communicator of 1 MiB (so the large calls run in chunks there); delays up to 20 µs, several times a
     decode call. The set of shapes is fixed, so the kernels compile once, in the first steps.
