@@ -79,14 +79,16 @@ class Communicator:
         if not dist.is_initialized():
             raise RuntimeError("Communicator: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first (or use tpcomm.launch)")
-        self.group = group if group is not None else dist.group.WORLD
-        if not isinstance(self.group, dist.ProcessGroup) and self.group is not dist.GroupMember.NON_GROUP_MEMBER:
+        given = group
+        group = group if group is not None else dist.group.WORLD
+        if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
             raise TypeError(f"Communicator: group must be a torch.distributed ProcessGroup (or None: the default "
-                            f"group), got {type(group).__name__} {group!r}")
-        if self.group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on other ranks
+                            f"group), got {type(given).__name__} {given!r}")
+        if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on other ranks
             raise ValueError("Communicator: this process is not a member of group (torch.distributed.new_group "
                              "returns a placeholder on the ranks it leaves out); create the Communicator only "
                              "on the group's ranks")
+        self.group = group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         # Arguments and TPCOMM_* variables are checked on every rank, and a rank that refuses them tells
@@ -109,6 +111,28 @@ class Communicator:
         self.table = self._load_table()
         self.fallback_reason = self._set_up()
         self._register()
+
+    @property
+    def group(self):
+        """The ``torch.distributed`` process group (None for a :mod:`tpcomm.loopback` rank). Held weakly:
+        a communicator never keeps its group alive past ``torch.distributed.destroy_process_group`` (a
+        gloo group that is freed only when the interpreter exits can abort the process then).
+
+        Raises:
+            RuntimeError: the group was destroyed (a call that would use it: the fallback).
+        """
+        ref = self._group_ref
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError("Communicator: its process group was destroyed "
+                               "(torch.distributed.destroy_process_group); create a Communicator on a live group")
+        return group
+
+    @group.setter
+    def group(self, group) -> None:
+        self._group_ref = None if group is None else weakref.ref(group)
 
     def _init_calls(self) -> None:
         """The state calls keep (local): no workspace yet, the lock, the caches."""

@@ -80,13 +80,16 @@ class Workspace:
 
     def __init__(self, group, device: torch.device, slot_bytes: int, max_programs: int, timeout_s: float,
                  lamport_slot_bytes: int = 0, pdl: bool = False):
-        self.group = group
-        self._lay_out(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, max_programs,
-                      timeout_s, lamport_slot_bytes, pdl)
-        if device.type == "cuda":
-            bases = self._alloc_cuda()
-        else:
-            bases = self._alloc_cpu()
+        self.group = group  # for the set-up's collectives only: not kept (Communicator.group says why)
+        try:
+            self._lay_out(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, max_programs,
+                          timeout_s, lamport_slot_bytes, pdl)
+            if device.type == "cuda":
+                bases = self._alloc_cuda()
+            else:
+                bases = self._alloc_cpu()
+        finally:
+            self.group = None
         self._make_tables(bases)
 
     def _lay_out(self, rank: int, world_size: int, device: torch.device, slot_bytes: int, max_programs: int,

@@ -472,6 +472,27 @@ def launch_die_after_comm(rank, world_size, pid_dir, how, dying_rank, timeout_s)
     return rank
 
 
+def launch_group_outlives_no_communicator(rank, world_size):
+    """Create a Communicator and call it, then destroy the process group without closing it: the group is
+    freed at once (the communicator holds it weakly), and a call that would use it raises. Returns
+    ``(group freed, what comm.group raised, what a fallback call raised, what a kernel call returned)``."""
+    import gc
+    import weakref
+
+    comm = tpcomm.Communicator()
+    x = torch.ones(4, 16, dtype=torch.bfloat16)
+    comm.all_reduce(x)
+    ref = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    freed = ref() is None
+    seen_group = raised(lambda: comm.group)
+    with comm.use_algorithm("fallback"):
+        seen_fallback = raised(lambda: comm.all_reduce(x))
+    comm.close()
+    return freed, seen_group, seen_fallback
+
+
 def subgroup_case(ctx, members):
     """A Communicator on a subgroup (``dist.new_group(members)``, collective on every rank): group
     ranks differ from global ranks. Members return their group rank, the sums and references."""

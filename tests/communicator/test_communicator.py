@@ -489,6 +489,19 @@ def test_close_is_idempotent_and_final(pool):
     check.done()
 
 
+def test_the_process_group_is_not_kept_alive():
+    """A communicator holds its group weakly: ``destroy_process_group`` frees it even while the
+    communicator is open (a gloo group freed only at interpreter exit could abort the process there), and
+    a call that would use the destroyed group raises RuntimeError instead of using the default one."""
+    from tpcomm.launch import launch
+
+    for r, (freed, seen_group, seen_fallback) in enumerate(launch(ranks.launch_group_outlives_no_communicator, 2,
+                                                                  "cpu", timeout_s=120)):
+        assert freed, f"rank {r}: the destroyed group is still alive"
+        for seen in (seen_group, seen_fallback):
+            assert seen is not None and seen[0] == "RuntimeError" and "destroyed" in seen[1], f"rank {r}: {seen}"
+
+
 # -- peer timeouts ---------------------------------------------------------------------------------------------
 #: A short kernel timeout (wall-clock nanoseconds, the host's clock under the interpreter).
 TIMEOUT_S = 0.15
