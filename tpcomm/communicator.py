@@ -511,7 +511,7 @@ class Communicator:
             A new tensor: ``x``'s shape with ``dim`` multiplied by the world size; the slice of rank
             ``q`` holds ``x_q`` bit for bit. Safe in CUDA graphs.
         Raises:
-            TypeError: ``x`` is not a tensor.
+            TypeError: ``x`` is not a tensor, or ``dim`` is not an int.
             ValueError: ``x`` is on another device or a scalar, or ``dim`` is out of range.
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """
@@ -581,7 +581,8 @@ class Communicator:
             A new tensor: rank ``r``'s share of ``T(+0.0 + f32(x_0) + ... + f32(x_{W-1}))``, the same bits
             as the matching rows of :meth:`all_reduce`. Safe in CUDA graphs.
         Raises:
-            TypeError: ``x`` is not a tensor, or its dtype has no sum (bool, FP8, complex).
+            TypeError: ``x`` is not a tensor, its dtype has no sum (bool, FP8, complex), or ``dim`` is not
+                an int.
             ValueError: ``x`` is on another device or a scalar, or ``dim`` is out of range.
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
         """

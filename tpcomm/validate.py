@@ -108,10 +108,13 @@ def check_summable(op: str, x: torch.Tensor) -> None:
 
 
 def check_dim(op: str, x: torch.Tensor, dim) -> int:
-    """``dim`` normalised to ``[0, x.dim())``."""
+    """``dim`` normalised to ``[0, x.dim())``: TypeError when it is not an int (bool included), ValueError
+    when it is out of range or ``x`` is a scalar."""
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
-    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{op}: dim must be an int, got {type(dim).__name__} {dim!r}")
+    if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
     return int(dim) % x.dim()

@@ -708,6 +708,12 @@ def _(k):
     return ["no exception"]
 
 
+@case("reduce_scatter dim not an int")
+def _(k):
+    k.comm().reduce_scatter(torch.ones(2, 16, device=k.device), dim=1.0)
+    return ["no exception"]
+
+
 @case("reduce_scatter float8_e4m3fn x")
 def _(k):
     k.comm().reduce_scatter(torch.ones(2, 16, device=k.device).to(torch.float8_e4m3fn))
@@ -927,6 +933,7 @@ EXPECTED: dict[str, dict] = {
     "reduce_scatter zero rows (0, H)": result(0, EMPTY),
     "all_gather 0-dim x": raises(ValueError, "x", "all_gather"),
     "all_gather dim out of range": raises(ValueError, "dim", "all_gather"),
+    "reduce_scatter dim not an int": raises(TypeError, "dim", "reduce_scatter"),
     "reduce_scatter float8_e4m3fn x": raises(TypeError, "x", "reduce_scatter"),
 }
 
