@@ -196,7 +196,7 @@ def load_table(path: str) -> CrossoverTable:
 _TUNED = "2xH200 tpcomm tune, docs/data/run-2xH200-final/tune.log"
 _TUNED_W2 = "2xH200 tpcomm tune, docs/data/run-2xH200-5/tune_w2.log"
 _TUNED_W4 = "4xH200 tpcomm tune, docs/data/run-4xH200-5/first-call/tune_w4.log"
-_FUSED_W4 = ("Lamport: 4 loopback ranks on 1 H200, docs/data/decode-loopback/peers-spin/; two-shot: " + _TUNED_W4)
+_FUSED_W4 = "4 loopback ranks on 1 H200 (Lamport) and 4xH200 tpcomm tune (two-shot), docs/design.md"
 DEFAULT_TABLE = CrossoverTable({
     "fused_add_rmsnorm": {2: Crossover(4 << 20, 4 << 20, _TUNED_W2), 4: Crossover(1 << 20, 3 << 20, _FUSED_W4)},
     "all_reduce": {2: Crossover(4 << 20, 16 << 20, _TUNED), 4: Crossover(1 << 20, 2 << 20, _TUNED_W4)},
@@ -260,11 +260,29 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
             Plan("one_shot", "lamport forced (TPCOMM_ALGO or use_algorithm), but Lamport needs 16 bits")
     cross = (table or DEFAULT_TABLE).lookup(op, world_size)
     source = cross.source or "a crossover table that names no source"
-    if lamport_ok and nbytes <= min(cross.lamport_max_bytes, LAMPORT_MAX_BYTES):
-        return Plan("lamport", f"16-bit message of at most {cross.lamport_max_bytes} bytes ({source})")
+    lamport_max = min(cross.lamport_max_bytes, LAMPORT_MAX_BYTES)
+    size = f"{_size(nbytes)} a rank"
+    if lamport_ok and nbytes <= lamport_max:
+        return Plan("lamport", f"16-bit message of {size}, at most Lamport's {_size(lamport_max)} ({source})")
     if nbytes >= cross.two_shot_min_bytes:
-        return Plan("two_shot", f"message of at least {cross.two_shot_min_bytes} bytes ({source})")
-    return Plan("one_shot", f"message under {cross.two_shot_min_bytes} bytes ({source})")
+        return Plan("two_shot", f"message of {size}, at least two-shot's {_size(cross.two_shot_min_bytes)} "
+                                f"({source})")
+    if not lamport_ok:
+        why = "Lamport takes 16-bit data only"
+    elif lamport_max == 0:
+        why = "Lamport off in this table"
+    else:
+        why = f"above Lamport's {_size(lamport_max)}"
+    return Plan("one_shot", f"message of {size}, under two-shot's {_size(cross.two_shot_min_bytes)}; {why} "
+                            f"({source})")
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a reason: in MiB or KiB where it is a whole number of them, else in bytes."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} bytes"
 
 
 #: Two-shot and all-gather index the whole tensor (two-shot's shares span it): larger ones use one-shot

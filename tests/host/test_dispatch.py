@@ -116,3 +116,17 @@ def test_load_table_reads_a_bounded_amount():
     """A path that never ends (/dev/zero) is refused after MAX_TABLE_BYTES, not read forever."""
     with pytest.raises(ValueError, match="larger than"):
         dispatch.load_table("/dev/zero")
+
+
+def test_reasons_name_the_thresholds_the_size_fell_between():
+    """A plan's reason gives the message's size and the thresholds it was compared with, in MiB / KiB where
+    they are whole, and why Lamport was not taken."""
+    table = dispatch.CrossoverTable({"all_reduce": {2: dispatch.Crossover(1 << 20, 3 << 20, "a test table")}})
+    lamport = dispatch.choose("all_reduce", 2, 8 << 10, 4096, torch.bfloat16, table=table).reason
+    one_shot = dispatch.choose("all_reduce", 2, 2 << 20, 4096, torch.bfloat16, table=table).reason
+    fp32 = dispatch.choose("all_reduce", 2, 1000, 4096, torch.float32, table=table).reason
+    two_shot = dispatch.choose("all_reduce", 2, 3 << 20, 4096, torch.bfloat16, table=table).reason
+    assert lamport == "16-bit message of 8 KiB a rank, at most Lamport's 1 MiB (a test table)"
+    assert one_shot == "message of 2 MiB a rank, under two-shot's 3 MiB; above Lamport's 1 MiB (a test table)"
+    assert fp32 == "message of 1000 bytes a rank, under two-shot's 3 MiB; Lamport takes 16-bit data only (a test table)"
+    assert two_shot == "message of 3 MiB a rank, at least two-shot's 3 MiB (a test table)"
