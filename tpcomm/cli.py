@@ -53,10 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(b)
 
-    sub.add_parser("check", help="print what this machine supports and why",
-                   description="Print versions, GPUs, peer access and links between every pair, the "
-                               "interpreter, TPCOMM_* settings, the algorithms available (and why not) and "
-                               "what a Communicator would do.")
+    c = sub.add_parser("check", help="print what this machine supports and why",
+                       description="Print versions, GPUs, peer access and links between every pair, the "
+                                   "interpreter, TPCOMM_* settings, the algorithms available (and why not) and "
+                                   "what a Communicator would do.")
+    c.add_argument("--world", type=world_size, default=None,
+                   help="world size of the plans printed (default: every GPU here, or 2 CPU ranks)")
 
     s = sub.add_parser("soak", help="many steps of mixed calls under random rank skew, every result checked",
                        description="Run STEPS steps, each a mix of fused calls (small and large token counts, "
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     if args.command == "check":
-        return check()
+        return check(args.world)
     if args.command == "soak":
         from . import soak
 
@@ -158,8 +160,9 @@ def _shm_writable() -> tuple[bool, str]:
     return True, f"no memfd_create; /dev/shm writable, {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free"
 
 
-def check() -> int:
-    """Print what this machine supports and why. Returns 0, or 1 when a TPCOMM_* variable is invalid."""
+def check(plan_world: int | None = None) -> int:
+    """Print what this machine supports and why, and the plans of a few shapes at ``plan_world`` ranks
+    (default: this machine's). Returns 0, or 1 when a TPCOMM_* variable is invalid."""
     import platform
 
     import torch
@@ -268,7 +271,8 @@ def check() -> int:
                             "Communicator would raise")
     if cfg is not None:
         hidden = 4096
-        for tokens in (1, 64, 4096):
+        world = plan_world or world
+        for tokens in (1, 16, 64, 256, 4096):
             for op in ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter"):
                 nbytes = tokens * hidden * 2
                 plan = dispatch.choose(op, world, nbytes, hidden if op not in ("all_reduce", "all_gather") else

@@ -174,6 +174,15 @@ def test_tpcomm_check_runs_on_cpu(capsys):
         assert word in out, f"{word!r} missing from:\n{out}"
 
 
+def test_tpcomm_check_plans_at_another_world_size(capsys):
+    """``tpcomm check --world 4`` prints the plans of a 4-rank group, at decode and prefill sizes."""
+    assert cli_main(["check", "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    for word in ("fused_add_rmsnorm 16x4096", "fused_add_rmsnorm 256x4096", "(world 4, bf16)"):
+        assert word in out, f"{word!r} missing from:\n{out}"
+    assert "(world 2, bf16)" not in out
+
+
 def test_tpcomm_check_reports_an_invalid_setting(capsys, monkeypatch):
     monkeypatch.setenv("TPCOMM_TIMEOUT_S", "soon")
     assert cli_main(["check"]) == 1
