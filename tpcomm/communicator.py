@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import socket
 import threading
 import weakref
@@ -29,6 +30,21 @@ DEFAULT_MAX_BYTES_CPU = 1 << 20
 #: reused, so a compiled graph that outlives its communicator raises instead of using another one.
 _BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
+
+
+def _check_plan_args(op, nbytes, hidden, dtype) -> None:
+    """The arguments of :meth:`Communicator.plan` (its Raises section)."""
+    if op not in dispatch.OPS:
+        raise ValueError(f"plan: op must be one of {dispatch.OPS}, got {op!r}")
+    for name, value in (("nbytes", nbytes), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"plan: {name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"plan: {name} must be >= 0, got {value}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"plan: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+
+
 class Communicator:
     """Tensor-parallel collectives for one process group, on the GPUs of one node or on CPU ranks.
 
@@ -673,10 +689,16 @@ class Communicator:
         ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
         :func:`tpcomm.dispatch.all_reduce_width`). :func:`tpcomm.dispatch.plan_call` decides; plans are
         cached per shape.
+
+        Raises:
+            ValueError: ``op`` is not one of ``tpcomm.dispatch.OPS``, or ``nbytes`` or ``hidden`` is
+                negative.
+            TypeError: ``nbytes`` or ``hidden`` is not an int, or ``dtype`` not a ``torch.dtype``.
         """
         key = (op, nbytes, hidden, dtype, self.algorithm)
         plan = self._plans.get(key)
         if plan is None:
+            _check_plan_args(op, nbytes, hidden, dtype)
             plan = self._plans[key] = self._make_plan(op, nbytes, hidden, dtype)
             if len(self._plans) > 4096:
                 self._plans.pop(next(iter(self._plans)))

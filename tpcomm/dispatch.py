@@ -131,8 +131,13 @@ class CrossoverTable:
     def lookup(self, op: str, world_size: int) -> Crossover:
         """The :class:`Crossover` of ``op`` at ``world_size`` (or the nearest smaller world size)."""
         by_world = self.entries.get(op) or DEFAULT_TABLE.entries[op]
+        return by_world[self.entry_world(op, world_size)]
+
+    def entry_world(self, op: str, world_size: int) -> int:
+        """The world size of the entry :meth:`lookup` uses for ``op`` at ``world_size``."""
+        by_world = self.entries.get(op) or DEFAULT_TABLE.entries[op]
         below = sorted(w for w in by_world if w <= world_size)
-        return by_world[below[-1] if below else min(by_world)]
+        return below[-1] if below else min(by_world)
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device,
@@ -258,8 +263,12 @@ def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtyp
     if forced == "lamport":
         return Plan("lamport", "forced (TPCOMM_ALGO or use_algorithm): lamport") if lamport_ok else \
             Plan("one_shot", "lamport forced (TPCOMM_ALGO or use_algorithm), but Lamport needs 16 bits")
-    cross = (table or DEFAULT_TABLE).lookup(op, world_size)
+    table = table or DEFAULT_TABLE
+    cross = table.lookup(op, world_size)
     source = cross.source or "a crossover table that names no source"
+    entry = table.entry_world(op, world_size)
+    if entry != world_size:
+        source += f"; the table's {entry}-rank entry, none measured at {world_size}"
     lamport_max = min(cross.lamport_max_bytes, LAMPORT_MAX_BYTES)
     size = f"{_size(nbytes)} a rank"
     if lamport_ok and nbytes <= lamport_max:

@@ -290,7 +290,7 @@ def _lookup_group(op: str, handle: int, rank: int, world_size: int):
 
 def _norm_dim(op: str, x: torch.Tensor, dim: int) -> int:
     if x.dim() < 1 or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+        raise ValueError(f"{op}: dim must be in [{-x.dim()}, {x.dim()}) for x of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
     return dim % x.dim()
 

@@ -115,7 +115,7 @@ def check_dim(op: str, x: torch.Tensor, dim) -> int:
     if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"{op}: dim must be an int, got {type(dim).__name__} {dim!r}")
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+        raise ValueError(f"{op}: dim must be in [{-x.dim()}, {x.dim()}) for x of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
     return int(dim) % x.dim()
 

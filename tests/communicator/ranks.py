@@ -343,6 +343,19 @@ def life_cycle_case(ctx):
     return seen
 
 
+def plan_arguments_case(ctx):
+    """What ``Communicator.plan`` raises for each bad argument (type name and message), and one good plan."""
+    comm = tpcomm.Communicator()
+    bf16 = torch.bfloat16
+    bad = {"op": ("all_sum", 8192, 4096, bf16), "negative nbytes": ("all_reduce", -5, 4096, bf16),
+           "float nbytes": ("all_reduce", 1.5, 4096, bf16), "bool hidden": ("fused_add_rmsnorm", 8192, True, bf16),
+           "dtype name": ("all_reduce", 8192, 4096, "bf16")}
+    seen = {name: raised(lambda args=args: comm.plan(*args)) for name, args in bad.items()}
+    seen["good"] = comm.plan("fused_add_rmsnorm", 8192, 4096, bf16).algorithm
+    comm.close()
+    return seen
+
+
 def workspace_layout_case(ctx, H, dtype, max_bytes):
     """Layout facts of a communicator's workspace for one shape."""
     comm = ctx.comm(max_bytes)

@@ -489,6 +489,19 @@ def test_close_is_idempotent_and_final(pool):
     check.done()
 
 
+def test_plan_refuses_bad_arguments(pool2):
+    """``Communicator.plan`` names the argument: ValueError for an unknown op or a negative size,
+    TypeError for a size that is not an int or a dtype that is not a torch.dtype."""
+    want = {"op": ("ValueError", "op"), "negative nbytes": ("ValueError", "nbytes"),
+            "float nbytes": ("TypeError", "nbytes"), "bool hidden": ("TypeError", "hidden"),
+            "dtype name": ("TypeError", "dtype")}
+    for r, seen in enumerate(pool2.run(ranks.plan_arguments_case)):
+        assert seen["good"] == "lamport", f"rank {r}: {seen['good']}"
+        for name, (kind, arg) in want.items():
+            got = seen[name]
+            assert got is not None and got[0] == kind and got[1].startswith(f"plan: {arg}"), f"rank {r}: {name}: {got}"
+
+
 def test_the_process_group_is_not_kept_alive():
     """A communicator holds its group weakly: ``destroy_process_group`` frees it even while the
     communicator is open (a gloo group freed only at interpreter exit could abort the process there), and
