@@ -271,6 +271,8 @@ def check(plan_world: int | None = None) -> int:
                             "Communicator would raise")
     if cfg is not None:
         hidden = 4096
+        if plan_world and plan_world != world:
+            line("plans below", f"of a group of {plan_world} ranks (--world), not this machine's {world}")
         world = plan_world or world
         for tokens in (1, 16, 64, 256, 4096):
             for op in ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter"):
