@@ -130,14 +130,16 @@ class CrossoverTable:
 
     def lookup(self, op: str, world_size: int) -> Crossover:
         """The :class:`Crossover` of ``op`` at ``world_size`` (or the nearest smaller world size)."""
-        by_world = self.entries.get(op) or DEFAULT_TABLE.entries[op]
-        return by_world[self.entry_world(op, world_size)]
+        return self._by_world(op)[self.entry_world(op, world_size)]
 
     def entry_world(self, op: str, world_size: int) -> int:
         """The world size of the entry :meth:`lookup` uses for ``op`` at ``world_size``."""
-        by_world = self.entries.get(op) or DEFAULT_TABLE.entries[op]
-        below = sorted(w for w in by_world if w <= world_size)
-        return below[-1] if below else min(by_world)
+        by_world = self._by_world(op)
+        below = [w for w in by_world if w <= world_size]
+        return max(below) if below else min(by_world)
+
+    def _by_world(self, op: str) -> dict:
+        return self.entries.get(op) or DEFAULT_TABLE.entries[op]
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device,

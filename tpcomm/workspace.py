@@ -80,16 +80,10 @@ class Workspace:
 
     def __init__(self, group, device: torch.device, slot_bytes: int, max_programs: int, timeout_s: float,
                  lamport_slot_bytes: int = 0, pdl: bool = False):
-        self.group = group  # for the set-up's collectives only: not kept (Communicator.group says why)
-        try:
-            self._lay_out(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, max_programs,
-                          timeout_s, lamport_slot_bytes, pdl)
-            if device.type == "cuda":
-                bases = self._alloc_cuda()
-            else:
-                bases = self._alloc_cpu()
-        finally:
-            self.group = None
+        # ``group`` serves the set-up's collectives only and is not kept (Communicator.group says why)
+        self._lay_out(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, max_programs,
+                      timeout_s, lamport_slot_bytes, pdl)
+        bases = self._alloc_cuda(group) if device.type == "cuda" else self._alloc_cpu(group)
         self._make_tables(bases)
 
     def _lay_out(self, rank: int, world_size: int, device: torch.device, slot_bytes: int, max_programs: int,
@@ -156,7 +150,6 @@ class Workspace:
         workspaces = []
         for r in range(world_size):
             ws = cls.__new__(cls)
-            ws.group = None
             ws._lay_out(r, world_size, device, slot_bytes, max_programs, timeout_s, lamport_slot_bytes, pdl,
                         two_shot_factor)
             ws.buffer = torch.empty(ws.total_bytes, dtype=torch.uint8, device=device)
@@ -173,17 +166,17 @@ class Workspace:
         return self._launch_options
 
     # -- backends -----------------------------------------------------------------------------------
-    def _alloc_cuda(self) -> list[int]:
+    def _alloc_cuda(self, group) -> list[int]:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.buffer = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
         self._arm(self.buffer)
-        self._handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
+        self._handle = symm_mem.rendezvous(self.buffer, group.group_name)
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        dist.barrier(group=group)
         return [int(p) for p in self._handle.buffer_ptrs]
 
-    def _alloc_cpu(self) -> list[int]:
+    def _alloc_cpu(self, group) -> list[int]:
         fd, path = self._create_shared_file()
         try:
             try:
@@ -194,13 +187,13 @@ class Workspace:
                     os.close(fd)
             self._arm(self.buffer)
             paths: list = [None] * self.world_size
-            dist.all_gather_object(paths, path, group=self.group)
+            dist.all_gather_object(paths, path, group=group)
             self.peer_buffers = [
                 self.buffer if q == self.rank
                 else torch.from_file(p, shared=True, size=self.total_bytes, dtype=torch.uint8)
                 for q, p in enumerate(paths)
             ]
-            dist.barrier(group=self.group)
+            dist.barrier(group=group)
         except BaseException:
             self._close_memfd()
             raise

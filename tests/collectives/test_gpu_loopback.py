@@ -23,8 +23,8 @@ SHAPES = [(1, 6144), (64, 7168), (5, 16384), (7, 999)]
 ALGOS = {"lamport": (torch.bfloat16, torch.float16),
          "one_shot": (torch.bfloat16, torch.float16, torch.float32),
          "two_shot": (torch.bfloat16, torch.float16, torch.float32)}
-#: Every algorithm, dtype and shape at 2 ranks; bf16 at two shapes at 3 ranks, and Lamport's at 4 (its
-#: spin over several peers; each world size compiles its own kernels, which dominates this file's time).
+#: Every algorithm, dtype and shape at 2 ranks; bf16 at two shapes at 3 ranks, and Lamport's at 4 (a wait
+#: on three peers; each world size compiles its own kernels, which dominates this file's time).
 CASES = ([(2, a, d, T, H) for a, ds in ALGOS.items() for d in ds for T, H in SHAPES]
          + [(3, a, torch.bfloat16, T, H) for a in ALGOS for T, H in SHAPES[:2]]
          + [(4, "lamport", torch.bfloat16, T, H) for T, H in SHAPES[:2]])
@@ -231,7 +231,7 @@ def test_a_late_rank_fails_the_call_its_peer_gave_up_on(algo, W):
     """Rank 1 issues its call after the other ranks' kernels gave up on it (timeout and grace): each of
     them raises ``PeerTimeoutError`` naming rank 1 and rank 1 ``PeerAbortedError`` naming one of them,
     all for the same epoch; none returns a value for that call. At 3 ranks, rank 0's and rank 2's waits
-    for each other end within the grace (their abort words withdrawn) and only rank 1 is named."""
+    for each other succeed, so only rank 1 is named."""
     import time
 
     from tpcomm.errors import PeerAbortedError, PeerTimeoutError

@@ -488,7 +488,7 @@ def launch_die_after_comm(rank, world_size, pid_dir, how, dying_rank, timeout_s)
 def launch_group_outlives_no_communicator(rank, world_size):
     """Create a Communicator and call it, then destroy the process group without closing it: the group is
     freed at once (the communicator holds it weakly), and a call that would use it raises. Returns
-    ``(group freed, what comm.group raised, what a fallback call raised, what a kernel call returned)``."""
+    ``(group freed, what comm.group raised, what a fallback call raised)``."""
     import gc
     import weakref
 
