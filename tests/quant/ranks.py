@@ -59,6 +59,8 @@ class _FusedCase:
     eps: float = 1e-6
     tiny: bool = False
     repeat: bool = False
+    wild_weight: bool = False
+    tiny_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,13 @@ class Fp8Case(_FusedCase):
             at odd columns only (0 elsewhere), and their residual 0: their squares underflow, so the
             norm's inverse is +Inf and ``out`` is NaN at the zeros and +-Inf elsewhere, where the
             largest ``|v * w'|`` no longer gives the row's amax (``epilogue.out_amax``).
+        wild_weight: the norm weight holds a NaN at column 1 and 3e38 at column H - 2 (bf16, fp32), so the
+            norm's inverse stays finite while ``v * w'`` is NaN in one group (block) of every row and
+            +-Inf or huge in another: the groups' amax taken from ``v * w'`` (``epilogue.out_amax``)
+            meets NaN and Inf. The float32 reference (written order) is not compared then.
+        tiny_group: (bf16 or fp32 weight, per group) the weight's last group is 1e-38, so that group's
+            scale lies far below 2^-90 (the fast division's bound, ``quant.divide``: its reciprocal
+            overflows) in rows whose other groups are ordinary.
     """
 
     fp8: torch.dtype = torch.float8_e4m3fn
@@ -214,7 +223,7 @@ def scale_rule_failures(q2: torch.Tensor, s2: torch.Tensor, out2: torch.Tensor, 
         fmax = torch.finfo(fp8).max
         sc = s2[finite]
         ratio = amax[finite] / sc
-        power = (sc.contiguous().view(torch.int32) & 0x7FFFFF) == 0
+        power = ((sc.contiguous().view(torch.int32) & 0x7FFFFF) == 0) | (sc == 2.0 ** -127)  # that one is subnormal
         ok = power & (ratio <= fmax) & ((ratio > fmax / 2) | (sc == 2.0 ** -127))
         if not bool(ok.all()):
             failures.append(f"{int((~ok).sum())} groups whose scale is no power of two with amax / scale in "
@@ -306,6 +315,11 @@ def case_inputs(ctx, case) -> tuple:
                        ctx.world_size - 1)
     if case.peak:
         xs[0][..., H - 3] = 1000.0
+    if case.wild_weight:
+        w[1] = float("nan")
+        w[H - 2] = 3e38
+    if case.tiny_group:
+        w[H - case.group:] = 1e-38
     if case.tiny:
         for x in xs:
             x.view(-1, H)[:2] = 1e-30
