@@ -36,6 +36,8 @@
 #                                        # (benchmarks/host_profile.py), then of every op of each tree
 #                                        # (host_loopback.py);
 #                                        # TESTS=1: then the loopback and FP8 GPU tests
+#   TREES=". .fa .fb" bash dev/gpu_runs.sh formsab  # ONE GPU (carry each tree): the quant forms bench
+#                                        # (HIDDEN, default 6144; TOKENS, default 1,16,64,256) of each tree in turn
 #   bash dev/gpu_runs.sh forms     # ONE GPU (carry [".whl-hf"]): the quant forms bench in loopback, then
 #                                        # tpcomm demo --model llama and gemma on loopback ranks
 #   TREES=". .v" bash dev/gpu_runs.sh worlds  # ONE GPU (carry [".whl"] and each tree): the decode bench at 4
@@ -258,6 +260,15 @@ forms)
     timeout ${QUANT_S:-240} python3 benchmarks/quant_loopback.py --out $W/quant_loopback.jsonl > $W/quant_loopback.log 2>&1
     echo "quant_loopback rc=$?" >> $W/summary.txt
     model_demos ;;
+formsab)
+    # Quant-form kernel A/B: benchmarks/quant_loopback.py (the forms beside fused bf16 and the composite) of each
+    # tree of TREES in turn, in the same run; each tree is a copy of the package, the script is this tree's.
+    for tree in ${TREES:-.}; do
+        name=$(basename $(cd $tree && pwd))
+        (cd $tree && PYTHONPATH=. timeout ${QUANT_S:-150} python3 $ROOT/benchmarks/quant_loopback.py --hidden ${HIDDEN:-6144} \
+            --tokens ${TOKENS:-1,16,64,256} --out $W/quant-$name.jsonl > $W/quant-$name.log 2>&1
+         echo "quant-$name rc=$?" >> $W/summary.txt)
+    done ;;
 worlds)
     # One GPU (carry [".whl"] and every tree of TREES): the decode bench (HIDDEN4, 1-64 tokens) at 4 loopback
     # ranks with TRT-LLM beside, the same with TPCOMM_ALGO=one_shot (the 4-rank crossover), then at 2 ranks
@@ -318,7 +329,7 @@ decode2)
         --json $W/bench-w4.json > $W/bench-w4.log 2>&1
     echo "bench-w4 rc=$?" >> $W/summary.txt ;;
 *)
-    echo "usage: bash dev/gpu_runs.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|decode7|ab|model"; exit 2 ;;
+    echo "usage: bash dev/gpu_runs.sh tests|sweep|decode|w4|w4b|check|loopback|peer|decode1|decode2|decode3|decode4|decode5|decode6|decode7|ab|formsab|forms|worlds|verify|model"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"
