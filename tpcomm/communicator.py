@@ -828,8 +828,10 @@ class Communicator:
 
     @property
     def uses_kernels(self) -> bool:
-        """True when calls run tpcomm's kernels (False: every call falls back to torch.distributed)."""
-        return self.workspace is not None
+        """True when calls run tpcomm's kernels; False when every call falls back to torch.distributed:
+        no workspace (``fallback_reason`` says why), or ``TPCOMM_ALGO=fallback`` (a ``use_algorithm`` block
+        may still pick a kernel then)."""
+        return self.workspace is not None and self.algorithm != "fallback"
 
     def close(self) -> None:
         """Free the workspace. Idempotent. Call it on every rank after the last op has completed; a call
