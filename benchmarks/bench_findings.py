@@ -1,5 +1,5 @@
 """Findings from a ``tpcomm bench --json`` file, as Markdown: every shape where tpcomm is not the fastest
-(the winner and by how much), the FP8 epilogue's cost over bf16, and the issues' speed targets (fused
+(the winner and by how much), the FP8 epilogue's cost over bf16, and the speed targets (fused
 against NCCL + torch epilogue, plain all-reduce against NCCL and symm_mem, % of the peer copy bandwidth).
 
     python benchmarks/bench_findings.py BENCH.json[.gz] > findings.md
@@ -76,7 +76,7 @@ def main():
             unfused = f"{u:.1f} | {u / a8:.2f}x" if u else "- | -"
             print(f"| {r['dtype']} | {r['hidden']} | {r['tokens']} | {b:.1f} | {a8:.1f} | {a8 / b - 1:+.0%} | "
                   f"{unfused} |")
-    print("\n## Targets of issue 3 (graph mode, bf16, H 6144)\n")
+    print("\n## Decode targets (graph mode, bf16, H 6144)\n")
     print("| T | fused µs | NCCL + torch epilogue µs | speed-up | all-reduce µs | best rival AR µs (who) | "
           "AR % of copy |")
     print("|---|---|---|---|---|---|---|")
