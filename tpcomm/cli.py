@@ -66,12 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reduce-scatters under every algorithm, each rank delayed by a different "
                                    "random time before every call; check every result exactly. Reports "
                                    "steps, calls, mismatches, hangs; exit 1 on any.")
-    s.add_argument("--steps", type=positive_int, default=200)
+    s.add_argument("--steps", type=positive_int, default=200, help="steps to run (default 200)")
     s.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     s.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the inputs, call mix and delays (default 0): a failing run is repeated by its seed")
     s.add_argument("--timeout", type=positive_float, default=10.0,
                    help="seconds a kernel waits for a peer before the call counts as a hang (default 10)")
     s.add_argument("--max-delay", type=non_negative_float, default=None,
@@ -261,12 +262,17 @@ def check(plan_world: int | None = None) -> int:
     out.append("topology (tpcomm/topology.py)")
     world = n if device == "cuda" else 2
     topo = topology.probe()
-    out.extend("  " + ln for ln in topology.report_lines(topo, device, world))
+    invalid = cfg is None or (cfg.table and table is None)  # a Communicator would raise
+    out.extend("  " + ln.replace("every call planned by the dispatch table below",
+                                 "but TPCOMM_* settings are INVALID (above), so a Communicator would raise")
+               if invalid else "  " + ln for ln in topology.report_lines(topo, device, world))
     kernels = topology.algorithm_availability(topo, device, world)[0][1]
 
     out.append("algorithms")
     line("choices (TPCOMM_ALGO)", ", ".join(env.ALGO_CHOICES))
-    if cfg is not None and cfg.table and table is None:
+    if cfg is None:
+        line("plans", "none: the TPCOMM_* settings are INVALID (above)")
+    elif cfg.table and table is None:
         line("plans below", "from the built-in table: TPCOMM_DISPATCH_TABLE is INVALID (above), and a "
                             "Communicator would raise")
     if cfg is not None:

@@ -369,8 +369,9 @@ class Communicator:
                 float32).
             eps: >= 0, added to the mean square.
             gemma: use ``1 + w`` (Gemma-style norms).
-            quant: None, ``"fp8_per_token"``, ``"fp8_per_group"``, ``"fp8_per_group_ue8m0"`` or
-                ``"fp8_static"``: also quantise ``out`` to FP8 in the same kernel (docs/numerics.md item 4):
+            quant: None, or one of ``"fp8_per_token"``, ``"fp8_per_group"``, ``"fp8_per_group_ue8m0"``,
+                ``"fp8_static"`` (FP8), ``"mxfp4"``, ``"nvfp4"`` (FP4): also quantise ``out`` in the same
+                kernel. The per-token and per-group FP8 forms (docs/numerics.md item 4):
                 ``scale = amax / MAX`` over the row (or group) of the rounded ``out`` (1 where that is 0;
                 with ``_ue8m0`` rounded up to a power of two), ``q = fp8(out / scale)`` saturated to +-MAX;
                 the bytes and scales equal :func:`tpcomm.quant.per_token_quant_fp8` /
@@ -382,7 +383,8 @@ class Communicator:
                 the global ``scale``), the bytes and scales of :func:`tpcomm.quant.mxfp4_quant` (the
                 spec's ``"floor"`` rule) / :func:`~tpcomm.quant.nvfp4_quant` applied to ``out``
                 (docs/numerics.md, "MXFP4", "NVFP4"); H a multiple of the block.
-            fp8_dtype: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz`` (MAX 240).
+            fp8_dtype: the FP8 forms only: ``torch.float8_e4m3fn`` (MAX 448) or ``torch.float8_e4m3fnuz``
+                (MAX 240).
             group_size: elements per scale of the per-group forms (default 128, DeepSeek-V3's 1 x 128);
                 a power of two that divides H. Another value with ``fp8_per_token`` raises ValueError.
             column_major_scales: the per-group forms only, ``x`` 2-D: return the scales as the transpose
@@ -390,8 +392,9 @@ class Communicator:
             emit_unquantized: with ``quant``, also return ``out`` in the input dtype.
             scale: with ``quant="fp8_static"`` (the calibrated scale) or ``"nvfp4"`` (the global scale,
                 TensorRT-LLM's ``448 * 6 / amax``) only, and then required: float32 tensor of one element
-                (shape ``()``, ``(1,)`` or ``(1, 1)``) on this device, finite and positive, the same on
-                every rank; read by the kernel, so a CUDA graph replays with its current value. Its
+                (shape ``()``, ``(1,)`` or ``(1, 1)``) on this device, finite and positive (a static one
+                also more than 2**-128, so that its float32 reciprocal is finite), the same on every rank;
+                read by the kernel, so a CUDA graph replays with its current value. Its
                 value is checked on CPU only (a CUDA scale is not read on the host: a bad one gives NaN,
                 zero or saturated bytes).
             swizzled_scales: the FP4 forms only, ``x`` 2-D: return the block scales in the 128x4 layout
@@ -402,9 +405,11 @@ class Communicator:
                 contiguous, ``x``'s shape and dtype; ``residual_out`` may be ``residual`` itself (the
                 residual updated in place, as engines call ``fused_add_rms_norm``). With ``quant``,
                 ``out`` needs ``emit_unquantized``.
-            q_out, scales_out: with ``quant``, where to write ``q`` (contiguous, ``x``'s shape,
-                ``fp8_dtype``) and the scales (float32, the shape and strides this call would return).
-                No given output may share memory with an input or another output.
+            q_out, scales_out: with ``quant``, where to write ``q`` and the scales: contiguous, the shape
+                and dtype this call would return (FP8: ``x``'s shape in ``fp8_dtype``; FP4: ``(..., H / 2)``
+                uint8), the scales also with its strides (FP8: float32; MXFP4: uint8; NVFP4:
+                ``torch.float8_e4m3fn``; none with ``fp8_static``). No given output may share memory with
+                an input or another output.
         Returns:
             Without ``quant``: ``(out, residual_out)``, shaped like ``x`` (the given tensors, or new ones);
             ``residual_out`` is None without a residual. With ``quant``: ``(q, scales, residual_out,
@@ -417,13 +422,13 @@ class Communicator:
             ``max_bytes`` run in chunks of rows.
         Raises:
             TypeError: a tensor argument is not a tensor or has an unsupported dtype.
-            TypeError: ``gemma``, ``emit_unquantized`` or ``column_major_scales`` is not a bool; ``scale``
-                is not a float32 tensor.
+            TypeError: ``gemma``, ``emit_unquantized``, ``column_major_scales`` or ``swizzled_scales`` is
+                not a bool; ``group_size`` is not an int; ``scale`` is not a float32 tensor.
             ValueError: shapes disagree (x vs residual vs weight), a tensor is on another device,
                 ``eps`` is negative or not finite (TypeError if it is not a number), a quant argument
                 is invalid (unknown ``quant`` or ``fp8_dtype``, H not a multiple of ``group_size``, ``scale``
                 missing, of more than one element, on another device or, on CPU, not finite and positive,
-                ``scale`` without ``fp8_static`` or ``scales_out`` with it), or a
+                ``scale`` without ``fp8_static`` or ``nvfp4``, ``scales_out`` with ``fp8_static``), or a
                 given output has the wrong shape, dtype or layout, is a lazily negated view, or overlaps an
                 input or another output.
             PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).

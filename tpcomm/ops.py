@@ -64,7 +64,7 @@ from typing import Optional
 import torch
 
 from . import graphs
-from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call
+from .quant import DEFAULT_GROUP_SIZE, QUANT_MODES, check_unquantized_call
 
 
 # -- registry -------------------------------------------------------------------------------------------
@@ -150,6 +150,13 @@ def _signature(op: str, *tensors) -> tuple:
     return (op,) + tuple(_sig(t) for t in tensors)
 
 
+def _scale_sig(scale: torch.Tensor | None):
+    """The signature entry of a static or global ``scale``: its dtype and alignment, not its shape. The
+    kernels read its one element through a pointer, so ``()``, ``(1,)`` and ``(1, 1)`` compile the same
+    kernels (and a warm-up with one covers the others)."""
+    return None if scale is None else ((1,), scale.dtype, scale.data_ptr() % 16 == 0)
+
+
 def _unaligned(*outputs) -> tuple:
     """Signature entries of given outputs that are not 16-byte aligned (none for aligned ones, which
     compile the same kernels as the new outputs of the allocating op, so one warm-up serves both)."""
@@ -210,7 +217,7 @@ def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, gro
     graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={emit_unquantized})",
-                                        x, residual, weight, scale))
+                                        x, residual, weight) + (_scale_sig(scale),))
     q, scales, residual_out, out = comm.fused_add_rmsnorm(
         x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype, group_size=group_size,
         column_major_scales=column_major_scales, emit_unquantized=emit_unquantized, scale=scale,
@@ -265,7 +272,7 @@ def _fused_fp8_out_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
     graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={out is not None})",
-                                        x, residual, weight, scale)
+                                        x, residual, weight) + (_scale_sig(scale),)
                        + _unaligned(q, scales, residual_out, out))
     comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype,
                            group_size=group_size, column_major_scales=column_major_scales,
@@ -458,8 +465,7 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
         check_unquantized_call("fused_add_rmsnorm", fp8_dtype, group_size, column_major_scales, emit_unquantized,
                                scale, swizzled_scales)
         if q_out is not None or scales_out is not None:
-            raise ValueError("fused_add_rmsnorm: q_out and scales_out need a quant form (quant='fp8_per_token', "
-                             "'fp8_per_group', 'fp8_per_group_ue8m0' or 'fp8_static')")
+            raise ValueError(f"fused_add_rmsnorm: q_out and scales_out need quant= (one of {', '.join(QUANT_MODES)})")
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual, weight, eps, gemma, out, passed_residual_out)
@@ -473,7 +479,7 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if quant == "fp8_static":  # no scales to write
         fresh = fp8_outputs("fused_add_rmsnorm", x, quant, fp8_dtype, group_size, column_major_scales, q_out,
-                            scales_out, scale)  # the method's validation, here where the objects are known
+                            scales_out, scale, swizzled_scales)  # the method's validation, where the objects are known
         torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype,
                                                    group_size, column_major_scales, fresh.q_fp8, None,
                                                    passed_residual_out, out, scale)

@@ -151,8 +151,8 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         ``(q, scales)``: ``q`` ``(T, H)`` of ``fp8_dtype``, contiguous; ``scales`` float32 as above.
         Safe to capture in a CUDA graph.
     Raises:
-        TypeError: ``x`` is not a tensor or has another dtype; ``group_size`` is not an int; ``ue8m0`` is
-            not a bool.
+        TypeError: ``x`` is not a tensor or has another dtype; ``group_size`` is not an int; ``ue8m0`` or
+            ``column_major_scales`` is not a bool.
         ValueError: as :func:`per_token_quant_fp8`; ``group_size`` is not a power of two in
             [1, 8192]; ``H`` is not a multiple of ``group_size``.
     """
@@ -160,6 +160,8 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     _check(op, x, fp8_dtype)
     if not isinstance(ue8m0, bool):
         raise TypeError(f"{op}: ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    if not isinstance(column_major_scales, bool):
+        raise TypeError(f"{op}: column_major_scales must be a bool, got {type(column_major_scales).__name__}")
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__}")
     group_size = int(group_size)  # numpy integers too
@@ -194,16 +196,17 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
     Args:
         x: ``(T, H)`` bfloat16, float16 or float32, as for :func:`per_token_quant_fp8`.
         scale: float32 tensor of one element (shape ``()``, ``(1,)`` or ``(1, 1)``) on ``x``'s device,
-            finite and positive; a tensor, so a CUDA graph replays with its current value.
+            finite, positive and more than 2**-128 (its float32 reciprocal finite); a tensor, so a CUDA
+            graph replays with its current value.
         fp8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e4m3fnuz``.
     Returns:
         ``q``: ``(T, H)`` of ``fp8_dtype``, contiguous. One launch.
     Raises:
         TypeError: ``x`` or ``scale`` is not a tensor, or has another dtype.
         ValueError: as :func:`per_token_quant_fp8`; ``scale`` has more than one element or is on another
-            device; outside CUDA-graph capture, ``scale`` is not finite or not positive (that check
-            reads the scale: one device synchronisation on CUDA; during a capture it is skipped, and
-            such a scale gives NaN or saturated bytes).
+            device; outside CUDA-graph capture, ``scale`` is not finite, not positive or at most 2**-128
+            (that check reads the scale: one device synchronisation on CUDA; during a capture it is
+            skipped, and such a scale gives NaN or saturated bytes).
     """
     op = "static_quant_fp8"
     _check(op, x, fp8_dtype)
@@ -246,7 +249,7 @@ def _check_scale_value(op: str, name: str, t: torch.Tensor, static: bool) -> Non
         raise ValueError(f"{op}: {name}={value!r}; expected a finite positive float32")
     if static and bool(torch.isinf(torch.reciprocal(t.detach().reshape(()).cpu()))):
         raise ValueError(f"{op}: {name}={value!r}; its float32 reciprocal overflows (q = fp8(x * (1 / scale)) "
-                         "would be NaN for zeros): expected at least 2**-128")
+                         "would be NaN for zeros): expected more than 2**-128")
 
 
 def _check_fp4(op: str, x, block: int, swizzled_scales) -> None:
@@ -457,7 +460,12 @@ class Fp8Outputs:
             else:
                 q, s = reference.nvfp4_quant_unchecked(rows, self.in_scale)
             self.q_fp8.view(-1, q.shape[-1]).copy_(q)
-            self.scales_view.copy_(reference.swizzle_128x4(s) if self.swizzled else s.reshape(self.scales_view.shape))
+            if self.swizzled:  # only the real scales' bytes: a given buffer keeps its padding, as the kernels leave it
+                dst = self.scales_view.view(torch.uint8)
+                real = reference.swizzle_128x4(torch.ones(s.shape, dtype=torch.uint8, device=s.device)) != 0
+                dst[real] = reference.swizzle_128x4(s).view(torch.uint8)[real]
+            else:
+                self.scales_view.copy_(s.reshape(self.scales_view.shape))
             return
         if self.mode == "fp8_static":  # no scale to write: it is the input
             self.q_fp8.view(-1, out.shape[-1]).copy_(reference.static_fp8_bytes(rows, self.scales_view, self.fp8_dtype))
@@ -494,8 +502,9 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
     if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
             or fp8_dtype != torch.float8_e4m3fn):
         raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
-                         "a quant form (quant='fp8_per_token', 'fp8_per_group', 'fp8_per_group_ue8m0' or "
-                         "'fp8_static'; without it they would be ignored)")
+                         "a quant form (emit_unquantized any of quant='fp8_per_token', 'fp8_per_group', "
+                         "'fp8_per_group_ue8m0', 'fp8_static', 'mxfp4' or 'nvfp4'; column_major_scales and "
+                         "group_size a per-group one; fp8_dtype an FP8 one; without it they would be ignored)")
 
 
 def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static") -> None:
@@ -506,7 +515,7 @@ def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static
 
     Raises:
         ValueError: ``scale`` is None, has more than one element, is on another device, or (CPU) is not
-            finite and positive.
+            finite and positive, or (static FP8) is at most 2**-128 (its reciprocal overflows).
         TypeError: ``scale`` is not a tensor or not float32.
     """
     if scale is None:
@@ -590,10 +599,10 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
         if H == 0:
             scales.fill_(1.0)
         return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, 1, False)
-    if isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
-        group_size = int(group_size)  # numpy integers too
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE \
-            or group_size & (group_size - 1):
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__} {group_size!r}")
+    group_size = int(group_size)  # numpy integers too
+    if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
         raise ValueError(f"{op}: group_size must be a power of two in [1, {MAX_GROUP_SIZE}] "
                          f"(default {DEFAULT_GROUP_SIZE}), got {group_size!r}")
     if H % group_size:

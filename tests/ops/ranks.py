@@ -350,11 +350,17 @@ def warmup_case(ctx, shapes, ops=None):
             "fused": sig("fused_add_rmsnorm(gemma=False)", x, x, w) in warmed,
             "fused_no_res": sig("fused_add_rmsnorm(gemma=False)", x, None, w) in warmed,
             "other_shape": sig("all_reduce", other, other) in warmed}
+    scale_shapes = None
+    if ops and "fused_add_rmsnorm_fp8_static" in ops:  # warmed with a (1,) scale: () and (1, 1) are the same
+        for shape in ((), (1, 1)):
+            tops.fused_add_rmsnorm(comm, x, x, w, quant="fp8_static", scale=torch.ones(shape, dtype=torch.float32))
+        scale_shapes = len(tgraphs.warmed(comm)) - len(warmed)
     with tgraphs.capture_guard(comm) as guard:
         inside = tops.all_reduce(comm, x)  # not capturing: an ordinary call
     comm.close()
     return {"calls": calls, "count": len(warmed), "seen": seen, "guard": guard is not None,
-            "inside": inside.shape == x.shape, "closed": raised(lambda: tgraphs.capture_guard(comm).__enter__())}
+            "scale_shapes": scale_shapes, "inside": inside.shape == x.shape,
+            "closed": raised(lambda: tgraphs.capture_guard(comm).__enter__())}
 
 
 # -- test_example_tp_decoder -------------------------------------------------------------------------------

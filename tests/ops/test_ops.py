@@ -151,8 +151,9 @@ def test_warmup_records_signatures_and_guard_on_cpu(pool2):
 
 def test_warmup_covers_every_op(pool2):
     """Every op of tpcomm.ops can be warmed up, the FP8 forms and the gathers included: one call and one
-    recorded signature each."""
+    recorded signature each; a static scale of another shape than the warm-up's is the same signature."""
     results = pool2.run(ranks.warmup_case, [(2, 128)], tgraphs.WARMUP_OPS)
     for got in results:
         n = len(tgraphs.WARMUP_OPS)
         assert got["calls"] == n and got["count"] == n, got
+        assert got["scale_shapes"] == 0, f"scales of shape () and (1, 1) added {got['scale_shapes']} signatures"

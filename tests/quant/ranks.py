@@ -649,6 +649,21 @@ def static_ops_case(ctx) -> dict:
     r4 = mxfp4_quant_reference(m4[3])
     got["fp4_out_form"] = (b4[0] is q4_buf and b4[1] is s4_buf and torch.equal(q4_buf, r4[0])
                            and torch.equal(s4_buf, r4[1]))
+    refused = raised(lambda: tops.fused_add_rmsnorm(comm, x, res, w, quant="fp8_static", scale=scale,
+                                                    swizzled_scales=True, residual_out=torch.empty_like(x)))
+    got["static_swizzled_refused"] = (refused is not None and refused[0] == "ValueError"
+                                      and "swizzled_scales" in refused[1]) or str(refused)
+    # a given swizzled buffer keeps its padding (0x55 here) under every algorithm, the fallback included
+    padding = {}
+    for algo in ("auto", "fallback"):
+        buf = torch.full((128, 4), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        with comm.use_algorithm(algo):
+            comm.fused_add_rmsnorm(x, res, w, quant="nvfp4", scale=g, swizzled_scales=True, q_out=torch.empty(
+                shape[0], shape[1] // 2, dtype=torch.uint8), scales_out=buf, residual_out=torch.empty_like(x))
+        real = swizzle_128x4(torch.ones(shape[0], shape[1] // 16, dtype=torch.uint8)) != 0
+        padding[algo] = (bool((buf.view(torch.uint8)[~real] == 0x55).all())
+                         and torch.equal(buf.view(torch.uint8)[real], m4[1].view(torch.uint8)[real]))
+    got["swizzled_padding_kept"] = all(padding.values()) or str(padding)
     # the out op is not opchecked: its schema test compares the mutated FP8 output with allclose, which
     # torch (2.13, CPU) does not implement for float8
     try:

@@ -252,7 +252,7 @@ def test_fused_fp8_equals_standalone_quant_of_out(pools, world, case):
 
 
 # -- bad inputs, zero tokens ---------------------------------------------------------------------------------
-#: name -> (argument the message must name, other words it must contain). All ValueError.
+#: name -> (argument the message must name, other words it must contain). ValueError but TYPE_ERRORS.
 BAD = {
     "quant_unknown": ("quant", ["fp8_per_channel"]),
     "quant_upper_case": ("quant", ["FP8_PER_TOKEN"]),
@@ -308,10 +308,10 @@ BAD = {
     "fp4_q_out_shape": ("q_out", ["(4, 48)", "torch.uint8"]),
     "fp4_scales_out_dtype": ("scales_out", ["(4, 6)", "torch.float8_e4m3fn"]),
 }
-#: The names of BAD that raise TypeError (a flag that is not a bool, a static scale of another type or
-#: dtype); the rest raise ValueError.
+#: The names of BAD that raise TypeError (a flag that is not a bool, a group size that is not an int, a static
+#: scale of another type or dtype); the rest raise ValueError.
 TYPE_ERRORS = {"emit_not_bool", "column_major_not_bool", "static_scale_float64", "static_scale_bf16",
-               "static_scale_python_float", "nvfp4_scale_float64", "swizzled_not_bool"}
+               "static_scale_python_float", "nvfp4_scale_float64", "swizzled_not_bool", "group_float"}
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +394,8 @@ def test_static_form_through_the_ops_and_torch_compile(pool2):
     One world size: the ops wrap the method, whose numerics the tests above cover on both."""
     check = Checks()
     for r, got in enumerate(pool2.run(fc.static_ops_case)):
-        for name in ("wrapper", "out_form", "fp4_wrapper", "fp4_out_form", "opcheck", "compiled", "compiled_new_value"):
+        for name in ("wrapper", "out_form", "fp4_wrapper", "fp4_out_form", "static_swizzled_refused",
+                     "swizzled_padding_kept", "opcheck", "compiled", "compiled_new_value"):
             check.that(got[name] is True, f"rank {r}: {name}: {got[name]}")
         check.that(got["frames"] == 1, f"rank {r}: compiled {got['frames']} frames, expected 1")
     check.done()

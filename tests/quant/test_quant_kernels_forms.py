@@ -139,6 +139,12 @@ def test_ue8m0_must_be_a_bool():
         tpcomm.per_group_quant_fp8(torch.ones(2, 128, device=DEV), 128, ue8m0=1)
 
 
+@pytest.mark.parametrize("value", ["no", 1])
+def test_column_major_scales_must_be_a_bool(value):
+    with pytest.raises(TypeError, match="column_major_scales must be a bool"):
+        tpcomm.per_group_quant_fp8(torch.ones(2, 128, device=DEV), 128, column_major_scales=value)
+
+
 @pytest.mark.parametrize("T, G", [(1, 1), (5, 4), (6, 7), (9, 48)])
 def test_packed_ue8m0_scales_match_the_reference(T, G):
     x = _rows(T, 128 * G, torch.bfloat16, seed=T * 100 + G)

@@ -196,6 +196,18 @@ def test_loopback_mode_takes_one_world_size_and_needs_a_gpu(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("options,words", [(["--estimate", "--loopback"], "--loopback has no estimate"),
+                                           (["--programs", "4"], "--programs applies with --loopback only"),
+                                           (["--run", "x"], "--run applies with --render only")])
+def test_options_that_do_not_go_together_are_refused(capsys, options, words):
+    from tpcomm.bench.args import run_bench
+
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    assert run_bench(p.parse_args(options)) == 2
+    assert words in capsys.readouterr().out
+
+
 def test_a_loopback_child_killed_midway_keeps_its_finished_rows():
     """``bench --loopback`` runs each library in a child with a time limit: the rows a child printed
     before it was killed, or before it failed, are kept, and the note says what happened."""

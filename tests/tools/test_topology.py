@@ -184,9 +184,12 @@ def test_tpcomm_check_plans_at_another_world_size(capsys):
 
 
 def test_tpcomm_check_reports_an_invalid_setting(capsys, monkeypatch):
+    """An invalid setting: INVALID, exit 1, no plans, and no line saying that calls are planned."""
     monkeypatch.setenv("TPCOMM_TIMEOUT_S", "soon")
     assert cli_main(["check"]) == 1
-    assert "INVALID" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "INVALID" in out and "plans                        none" in out, out
+    assert "planned by the dispatch table" not in out and "1x4096" not in out, out
 
 
 def test_parse_the_captured_h200_matrix():

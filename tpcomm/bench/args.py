@@ -58,7 +58,16 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run ``tpcomm bench`` from parsed arguments; returns the exit status."""
+    """Run ``tpcomm bench`` from parsed arguments; returns the exit status (2: options that do not go
+    together, named)."""
+    for given, needed, name in ((args.run is not None, args.render, "--run applies with --render only"),
+                                (args.programs is not None, args.loopback, "--programs applies with --loopback only"),
+                                (args.estimate, not args.loopback,
+                                 "--estimate times the sweep; --loopback has no estimate (a few minutes a "
+                                 "world size on one GPU)")):
+        if given and not needed:
+            print(f"tpcomm bench: {name}")
+            return 2
     if args.render:
         from .results import load, render
 
