@@ -828,8 +828,12 @@ class Communicator:
         raise error(failed, self.rank, peer, epoch, program, self.timeout_s)
 
     def _check_open(self, op: str) -> None:
+        """Raise for a closed communicator (RuntimeError) and for an error a kernel recorded (:meth:`check`):
+        once a call failed, every later call raises, the empty and the fallback ones too."""
         if self._closed:
             raise RuntimeError(f"{op}: this Communicator is closed")
+        if self.workspace is not None and self.workspace.error_code():
+            self.check(op)
 
     @property
     def uses_kernels(self) -> bool:
@@ -866,10 +870,10 @@ class Communicator:
     def __repr__(self) -> str:
         if self._closed:
             how = "closed"
-        elif not self.uses_kernels:
+        elif self.workspace is None:
             how = f"fallback ({self.fallback_reason})"
         elif self.algorithm == "fallback":
-            how = "fallback (TPCOMM_ALGO=fallback)"
+            how = "fallback (TPCOMM_ALGO=fallback, or use_algorithm)"
         else:
             how = "kernels" + ("" if self.algorithm == "auto" else f", algorithm forced to {self.algorithm}")
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, {how})"

@@ -290,7 +290,7 @@ def fallback_env_case(ctx, seed, shape, dtype):
         w = weight_input(seed, H, dtype)
         x = xs[ctx.rank]
         nbytes = x.numel() * x.element_size()
-        return {"fb_uses_kernels": fb.uses_kernels, "kern_uses_kernels": kern.uses_kernels,
+        return {"fb_uses_kernels": fb.uses_kernels, "kern_uses_kernels": kern.uses_kernels, "fb_repr": repr(fb),
                 "fb_plan": fb.plan("fused_add_rmsnorm", nbytes, H, dtype).algorithm,
                 "kern_plan": kern.plan("fused_add_rmsnorm", nbytes, H, dtype).algorithm,
                 "fb_fused": fb.fused_add_rmsnorm(x, res, w), "kern_fused": kern.fused_add_rmsnorm(x, res, w),

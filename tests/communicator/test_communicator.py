@@ -406,6 +406,7 @@ def test_fallback_env_matches_kernels(pool, dtype, shape):
         check.that(not res["fb_uses_kernels"] and res["kern_uses_kernels"],
                    f"rank {r}: uses_kernels {res['fb_uses_kernels']} with TPCOMM_ALGO=fallback, "
                    f"{res['kern_uses_kernels']} without")
+        check.that("fallback (TPCOMM_ALGO=fallback" in res["fb_repr"], f"rank {r}: repr {res['fb_repr']}")
         check.that(res["kern_plan"] != "fallback", f"rank {r}: the kernel communicator planned a fallback")
         check(assert_same_bits, res["fb_ar"], res["kern_ar"], f"rank {r} all_reduce, fallback vs kernel")
         check(assert_same_bits, res["fb_fused"][1], res["kern_fused"][1], f"rank {r} residual_out, fallback vs kernel")

@@ -165,15 +165,16 @@ def _call(comm, rank, world_size, seed, op, shape, dtype) -> list[str]:
 
 def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
     """Run ``fault`` on this rank (see FAULTS) on a fresh communicator forcing ``algo``: what the first
-    failing call raised, how long it took, which calls returned, and what the next call on the same
-    communicator raised (documented: the same error again, at once)."""
+    failing call raised, how long it took, which calls returned, and what the next calls on the same
+    communicator raised: a call, an empty one and a fallback one (documented: the same error again, at
+    once)."""
     comm = new_communicator(timeout_s=timeout_s, algo=algo, env={"TPCOMM_MAX_PROGRAMS": MAX_PROGRAMS})
     calls = ORDER_FAULTS[ctx.world_size][fault] if fault in ORDER_FAULTS.get(ctx.world_size, {}) else FAULTS[fault]
     try:
         dist.barrier()  # both ranks arrive at the first call together: it must not time out
         warm = _call(comm, ctx.rank, ctx.world_size, 7000, "all_reduce", (1, 16), torch.float32)
         epoch = comm.workspace.epoch()
-        seen, returned, again = None, [], None
+        seen, returned = None, []
         time.sleep(sum(c[1] for c in calls[ctx.rank] if c[0] == "sleep"))  # a late rank's lateness: not timed
         t0 = time.perf_counter()
         for i, (op, shape, dtype) in enumerate(c for c in calls[ctx.rank] if c[0] != "sleep"):
@@ -190,16 +191,25 @@ def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
             returned.append(f"{what}, and wrong: " + "; ".join(f[:200] for f in fails) if fails
                             else f"{what} (its values happen to be right)")
         elapsed = time.perf_counter() - t0
-        if seen is not None:
-            t1 = time.perf_counter()
-            try:
-                comm.all_reduce(torch.ones(1, 16))
-            except Exception as e:
-                again = {"type": type(e).__name__, "isinstance": isinstance(e, tpcomm.PeerTimeoutError),
-                         "seconds": time.perf_counter() - t1}
+        agains = {}
+        if seen is not None:  # a call, an empty call and a fallback call: each raises at once, nothing runs
+
+            def fallback_call():
+                with comm.use_algorithm("fallback"):
+                    comm.all_reduce(torch.ones(1, 16))
+
+            for name, later in (("again", lambda: comm.all_reduce(torch.ones(1, 16))),
+                                ("again_empty", lambda: comm.all_reduce(torch.ones(0, 16))),
+                                ("again_fallback", fallback_call)):
+                t1 = time.perf_counter()
+                agains[name] = None
+                try:
+                    later()
+                except Exception as e:
+                    agains[name] = {"type": type(e).__name__, "isinstance": isinstance(e, tpcomm.PeerTimeoutError),
+                                    "seconds": time.perf_counter() - t1}
         dist.barrier()  # every rank has finished (or given up on) its calls before the next case
-        return {"warm": warm, "epoch": epoch, "seen": seen, "returned": returned, "elapsed": elapsed,
-                "again": again}
+        return {"warm": warm, "epoch": epoch, "seen": seen, "returned": returned, "elapsed": elapsed, **agains}
     finally:
         comm.close()
 
