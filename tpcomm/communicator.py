@@ -26,6 +26,12 @@ from .workspace import Workspace
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
 DEFAULT_MAX_BYTES_CUDA = 32 << 20
 DEFAULT_MAX_BYTES_CPU = 1 << 20
+#: How host code writes a call's outputs (the fallback's results, a strided ``out`` staged through a
+#: contiguous one): in inference mode, so that, as the kernels' writes, they record no autograd history
+#: and go into any output the kernels could write (a view of a leaf that requires grad, a tensor made in
+#: inference mode and used outside it).
+_HOST_WRITES = torch.inference_mode
+
 #: Every live Communicator by its ``handle`` (weak), for ``tpcomm.ops``: handles start at 1 and are never
 #: reused, so a compiled graph that outlives its communicator raises instead of using another one.
 _BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
@@ -327,11 +333,12 @@ class Communicator:
         n = x.numel()
         plan = self.plan(op, n * x.element_size(), n, x.dtype)
         if plan.algorithm == "push":  # an integer sum
-            out.copy_(self._integer_sum(op, x, (tuple(x.shape),)).view(x.shape))
+            with _HOST_WRITES():
+                out.copy_(self._integer_sum(op, x, (tuple(x.shape),)).view(x.shape))
             return out
         width = dispatch.all_reduce_width(n, x.element_size(), self.workspace, plan.algorithm)
         if plan.algorithm == "fallback":
-            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+            with _HOST_WRITES():
                 out.copy_(reference.all_reduce_reference(x, self.group))
             return out
         # an out that overlaps x other than in place would be written while peers and this rank still
@@ -342,7 +349,8 @@ class Communicator:
         self._run_rows(op, plan, src, dst, None, None, None, -(-n // width), width, 0.0, norm=False,
                        gemma=False, call=(tuple(x.shape),), record=launched)
         if dst.data_ptr() != out.data_ptr():
-            out.copy_(dst.view(out.shape))
+            with _HOST_WRITES():
+                out.copy_(dst.view(out.shape))
         elif launched is not None:
             self._remember(key, launched, (x, out), call_cache.all_reduce_spec(x, out, given))
         return out
@@ -496,7 +504,7 @@ class Communicator:
         if x.numel() == 0:
             return result()
         if plan.algorithm == "fallback":
-            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+            with _HOST_WRITES():
                 o, ro = reference.fused_add_rmsnorm_reference(x, residual, weight, eps, gemma, self.group)
                 out.copy_(o)
                 if residual_out is not None:
@@ -571,7 +579,7 @@ class Communicator:
         if as_bytes:
             n *= x.element_size()  # from here on, n counts what the kernel moves
         if plan.algorithm == "fallback":
-            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+            with _HOST_WRITES():
                 out.copy_(reference.all_gather_reference(x, self.group))
             return out
         src, dst = x.contiguous(), out  # addressed flat
@@ -645,7 +653,7 @@ class Communicator:
             out.copy_(s[start:start + length])
             return out
         if plan.algorithm == "fallback":
-            with torch.no_grad():  # outputs never require grad, as the kernels' do not
+            with _HOST_WRITES():
                 out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
         xc = x.contiguous()  # addressed flat

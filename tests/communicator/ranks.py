@@ -302,7 +302,8 @@ def fallback_env_case(ctx, seed, shape, dtype):
 def requires_grad_case(ctx, seed, shape, dtype, algo):
     """The all-reduce, the fused op and reduce-scatter of inputs that require grad (activations of a
     model run outside ``torch.no_grad``), under ``algo`` (``fallback``: through torch.distributed):
-    their results and whether each output requires grad."""
+    their results and whether each output requires grad; and the all-reduce into a strided view of a
+    parameter and of a tensor made in inference mode (``out_param_view``, ``out_inference``)."""
     comm = new_communicator(algo=algo)
     try:
         H = shape[-1]
@@ -311,6 +312,14 @@ def requires_grad_case(ctx, seed, shape, dtype, algo):
         w = weight_input(seed, H, dtype).requires_grad_(True)
         got = {"all_reduce": comm.all_reduce(x), "fused": comm.fused_add_rmsnorm(x, res, w),
                "reduce_scatter": comm.reduce_scatter(x)}
+        # given outputs that host code writes (strided: staged through a contiguous one; or the fallback's):
+        # a strided view of a parameter, and a tensor made in inference mode, used outside it
+        param = torch.nn.Parameter(torch.zeros(shape[0], 2 * H, dtype=dtype))
+        with torch.inference_mode():
+            made_inside = torch.zeros(shape[0], 2 * H, dtype=dtype)
+        for name, buf in (("out_param_view", param), ("out_inference", made_inside)):
+            comm.all_reduce(x, out=buf[:, ::2])
+            got[name] = buf[:, ::2].detach().clone()
         return {"plan": comm.plan("all_reduce", x.numel() * x.element_size(), x.numel(), dtype).algorithm,
                 "grad": {k: [t.requires_grad for t in (v if isinstance(v, tuple) else (v,))] for k, v in got.items()},
                 "values": {k: tuple(t.detach() for t in (v if isinstance(v, tuple) else (v,))) for k, v in got.items()}}
