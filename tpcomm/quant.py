@@ -485,6 +485,14 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
     return native_fp8(device, fp8_dtype)  # asks the device once (it was a tenth of a call's host time)
 
 
+def _group_size_int(op: str, group_size) -> int:
+    """``group_size`` as an int (numpy integers too); TypeError for anything else (a float, a bool),
+    whatever the quant form, so that ``128.0`` is refused where ``64.0`` is."""
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__} {group_size!r}")
+    return int(group_size)
+
+
 def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, emit_unquantized,
                            scale=None, swizzled_scales=False) -> None:
     """A call without ``quant`` takes none of the quant options (they would be ignored).
@@ -492,6 +500,7 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
     Raises:
         ValueError: ``emit_unquantized``, ``column_major_scales`` or ``swizzled_scales`` is set, ``scale``
             is given, or ``group_size`` / ``fp8_dtype`` differs from its default.
+        TypeError: ``group_size`` is not an int.
     """
     if scale is not None:
         raise ValueError(f"{op}: scale needs quant='fp8_static' or 'nvfp4' (without a quant form it would be "
@@ -499,7 +508,7 @@ def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, 
     if swizzled_scales:
         raise ValueError(f"{op}: swizzled_scales needs quant='mxfp4' or 'nvfp4' (without a quant form it would "
                          "be ignored)")
-    if (emit_unquantized or column_major_scales or group_size != DEFAULT_GROUP_SIZE
+    if (emit_unquantized or column_major_scales or _group_size_int(op, group_size) != DEFAULT_GROUP_SIZE
             or fp8_dtype != torch.float8_e4m3fn):
         raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
                          "a quant form (emit_unquantized any of quant='fp8_per_token', 'fp8_per_group', "
@@ -553,7 +562,8 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
             or ``fp8_static`` is given ``scales_out``; an FP4 form with H not a multiple of its block,
             another ``fp8_dtype``, ``group_size`` or ``column_major_scales``; ``swizzled_scales`` with
             another form or a non-2-D ``x``.
-        TypeError: ``scale`` is not a float32 tensor; ``swizzled_scales`` is not a bool.
+        TypeError: ``scale`` is not a float32 tensor; ``swizzled_scales`` is not a bool; ``group_size``
+            is not an int.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"{op}: quant must be None or one of {QUANT_MODES}, got {quant!r}")
@@ -564,6 +574,7 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
     if not isinstance(swizzled_scales, bool):
         raise TypeError(f"{op}: swizzled_scales must be a bool (Python's True or False), got "
                         f"{type(swizzled_scales).__name__}")
+    group_size = _group_size_int(op, group_size)
     if quant in FP4_BLOCKS:
         return _fp4_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
                             swizzled_scales)
@@ -599,9 +610,6 @@ def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, gr
         if H == 0:
             scales.fill_(1.0)
         return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, 1, False)
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-        raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__} {group_size!r}")
-    group_size = int(group_size)  # numpy integers too
     if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
         raise ValueError(f"{op}: group_size must be a power of two in [1, {MAX_GROUP_SIZE}] "
                          f"(default {DEFAULT_GROUP_SIZE}), got {group_size!r}")

@@ -480,6 +480,8 @@ def _bad_fp8_call(comm, name: str):
         "group_default_not_dividing_h": lambda: f(x, r, w, quant="fp8_per_group"),
         "group_zero": lambda: f(x, r, w, quant="fp8_per_group", group_size=0),
         "group_float": lambda: f(x, r, w, quant="fp8_per_group", group_size=32.0),
+        "group_float_default_per_token": lambda: f(x, r, w, quant="fp8_per_token", group_size=128.0),
+        "group_float_default_without_quant": lambda: f(x, r, w, group_size=128.0),
         "column_major_per_token": lambda: f(x, r, w, quant="fp8_per_token", column_major_scales=True),
         "group_size_per_token": lambda: f(x, r, w, quant="fp8_per_token", group_size=32),
         "column_major_3d": lambda: f(x.view(2, 2, 96), r.view(2, 2, 96), w, quant="fp8_per_group",

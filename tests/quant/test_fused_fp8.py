@@ -263,6 +263,8 @@ BAD = {
     "group_default_not_dividing_h": ("group_size", ["128", "96"]),
     "group_zero": ("group_size", ["0"]),
     "group_float": ("group_size", ["32.0"]),
+    "group_float_default_per_token": ("group_size", ["128.0", "int"]),
+    "group_float_default_without_quant": ("group_size", ["128.0", "int"]),
     "column_major_per_token": ("column_major_scales", ["fp8_per_group"]),
     "column_major_3d": ("column_major_scales", ["(2, 2, 96)"]),
     "emit_without_quant": ("emit_unquantized", ["quant"]),
@@ -311,7 +313,8 @@ BAD = {
 #: The names of BAD that raise TypeError (a flag that is not a bool, a group size that is not an int, a static
 #: scale of another type or dtype); the rest raise ValueError.
 TYPE_ERRORS = {"emit_not_bool", "column_major_not_bool", "static_scale_float64", "static_scale_bf16",
-               "static_scale_python_float", "nvfp4_scale_float64", "swizzled_not_bool", "group_float"}
+               "static_scale_python_float", "nvfp4_scale_float64", "swizzled_not_bool", "group_float",
+               "group_float_default_per_token", "group_float_default_without_quant"}
 
 
 @pytest.fixture(scope="module")
