@@ -254,7 +254,8 @@ class Communicator:
                       "TRITON_INTERPRET=1 before Python starts on every rank (importing tpcomm sets it only on "
                       "a machine without CUDA, and only where it is unset)")
         elif self.device.type == "cpu" and any(p for p in problems):
-            reason = next(p for p in problems if p)
+            at = [r for r, p in enumerate(problems) if p]
+            reason = f"on group rank(s) {at}: " + next(p for p in problems if p).replace("this process", "that process")
         if reason is not None:
             return reason
         max_programs = min(programs)
@@ -338,6 +339,7 @@ class Communicator:
             return out
         width = dispatch.all_reduce_width(n, x.element_size(), self.workspace, plan.algorithm)
         if plan.algorithm == "fallback":
+            self._before_fallback(op, (tuple(x.shape), str(x.dtype)))
             with _HOST_WRITES():
                 out.copy_(reference.all_reduce_reference(x, self.group))
             return out
@@ -504,6 +506,9 @@ class Communicator:
         if x.numel() == 0:
             return result()
         if plan.algorithm == "fallback":
+            # what the kernels' signatures hold (column_major_scales and emit_unquantized may differ)
+            self._before_fallback(op, (tuple(x.shape), str(x.dtype), residual is None, eps, gemma, quant,
+                                       str(fp8_dtype), group_size, swizzled_scales))
             with _HOST_WRITES():
                 o, ro = reference.fused_add_rmsnorm_reference(x, residual, weight, eps, gemma, self.group)
                 out.copy_(o)
@@ -579,6 +584,7 @@ class Communicator:
         if as_bytes:
             n *= x.element_size()  # from here on, n counts what the kernel moves
         if plan.algorithm == "fallback":
+            self._before_fallback(op, call + (str(x.dtype),))
             with _HOST_WRITES():
                 out.copy_(reference.all_gather_reference(x, self.group))
             return out
@@ -653,6 +659,7 @@ class Communicator:
             out.copy_(s[start:start + length])
             return out
         if plan.algorithm == "fallback":
+            self._before_fallback(op, call + (str(x.dtype),))
             with _HOST_WRITES():
                 out.copy_(reference.reduce_scatter_reference(x, self.group))
             return out
@@ -746,6 +753,24 @@ class Communicator:
                     call.load()
             for call in launches:
                 self._launch(call)
+
+    def _before_fallback(self, op: str, call: tuple) -> None:
+        """Before a call falls back to ``torch.distributed`` on a communicator that has kernels: one launch
+        of the all-gather kernel over 8 bytes, signed with the call (``op``, ``call``), which every rank
+        making the same call completes. A peer that made another call (a kernel call, or a fallback call
+        of another shape) makes it fail on every rank, :class:`PeerMismatchError` or
+        :class:`PeerTimeoutError`, before this rank's collective could pair with whatever that peer's
+        process group runs next (which returned wrong values, or aborted a process inside gloo). On CUDA
+        the stream is synchronised to read the outcome before the collective is issued; during a graph
+        capture it cannot be, and a failure shows at the next call."""
+        if self.workspace is None:
+            return
+        src = torch.zeros(8, dtype=torch.uint8, device=self.device)
+        dst = torch.empty(8 * self.world_size, dtype=torch.uint8, device=self.device)
+        self._run(op, chunks.gather_launches(self.workspace, src, dst, 8, "fallback", self._signer(op), call))
+        if self._cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).synchronize()
+            self.check(op)
 
     def _signer(self, op: str):
         """``sign(*fields)``: :meth:`_sign` for ``op``."""

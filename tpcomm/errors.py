@@ -18,7 +18,8 @@ class PeerTimeoutError(TpcommError):
         op: the op whose kernel timed out (e.g. ``"fused_add_rmsnorm"``).
         rank: the rank that waited.
         peer: the rank that never arrived.
-        epoch: the call's epoch (its sequence number on this communicator, starting at 1).
+        epoch: the failing launch's epoch: the number of kernel launches on this communicator up to it,
+            from 1 (one launch per call; several for a call cut into chunks).
         program: the program index that waited.
     """
 

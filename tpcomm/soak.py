@@ -298,9 +298,9 @@ def soak_rank(rank: int, world_size: int, cfg: SoakConfig, make_comms=None) -> d
         bad = torch.zeros(len(calls), dtype=torch.bool, device=device)
         made, hung = [], None
         for i, call in enumerate(calls):
-            # After a timeout every rank still makes every call of the step, so the calls that go through
-            # torch.distributed (the fallback) keep matching; kernel calls on a broken communicator raise
-            # at once, and those whose peer is broken give up after the timeout.
+            # After a timeout every rank still makes every call of the step: on a broken communicator every
+            # call raises at once (the fallback ones too, before their collective), and those whose peer
+            # is broken give up after the timeout.
             _delay(cfg, delays)
             try:
                 flag, chk, algorithm = run_call(comms[1 if call.small else 0], call, rank, world_size, step, i,

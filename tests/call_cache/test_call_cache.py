@@ -37,7 +37,7 @@ def test_a_changed_key_field_is_planned_afresh(pools, world):
 def test_input_errors_raise_on_every_call(pool2):
     """Each bad call raises the same exception twice, right after valid calls of a key that differs from
     it only in a type or an address."""
-    expected = {"eps=True": "TypeError", "gemma=1": "TypeError", "group_size=True": "ValueError",
+    expected = {"eps=True": "TypeError", "gemma=1": "TypeError", "group_size=True": "TypeError",
                 "dim=True": "TypeError", "residual dtype": "TypeError", "weight shape": "ValueError",
                 "out overlaps x": "ValueError", "residual_out overlaps weight": "ValueError",
                 "closed": "RuntimeError"}

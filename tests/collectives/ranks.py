@@ -112,7 +112,8 @@ def algorithms_case(ctx, seed, shape, dtype, exponents, prefixes, algos, fp8=Fal
     Inputs (x and residual) are :func:`wide_input` with ``exponents``.
 
     Returns ``{"runs": {algo: {n: {output: tensor}}}, "plans": {algo: {op: plan}}, "launches": {algo:
-    epoch steps of the whole algorithm}, "ref": {n: {output: reference}}}``.
+    epoch steps of the whole algorithm}, "calls": calls made under each algorithm, "ref": {n: {output:
+    reference}}}``.
     """
     comm = ctx.comm()
     T, H = shape
@@ -149,7 +150,8 @@ def algorithms_case(ctx, seed, shape, dtype, exponents, prefixes, algos, fp8=Fal
         out_g, ro_g = tpcomm.add_rmsnorm_reference(s, res[:n], wg, 1e-6, gemma=True)
         ref[n] = {"s": s, "out": out, "residual_out": ro, "out_no_residual": out_nr, "out_gemma": out_g,
                   "residual_out_gemma": ro_g}
-    return {"runs": runs, "plans": plans, "launches": launches, "ref": ref}
+    calls = len(rows) * (5 if fp8 else 4)  # each algorithm's calls (the fallback launches one kernel a call)
+    return {"runs": runs, "plans": plans, "launches": launches, "calls": calls, "ref": ref}
 
 
 # -- all_gather, reduce_scatter ----------------------------------------------------------------------------

@@ -82,7 +82,9 @@ def test_every_algorithm_gives_the_same_bits(pools, case):
             for op, plan in res["plans"][a].items():
                 check.that(plan == a, f"rank {r}: {op} forced to {a} planned {plan!r}")
             launches = res["launches"][a]
-            check.that((launches == 0) == (a == "fallback"), f"rank {r}: {a} made {launches} kernel launches")
+            # the fallback: one launch a call, its signature through the all-gather kernel (FALLBACK_LAUNCHES)
+            check.that(launches == res["calls"] if a == "fallback" else launches >= res["calls"],
+                       f"rank {r}: {a} made {launches} kernel launches for {res['calls']} calls")
             for n, outs in res["runs"][a].items():
                 where = f"rank {r} {a} {n} rows"
                 check.that(outs["no_residual_is_none"], f"{where}: residual_out of the no-residual form")
@@ -122,6 +124,10 @@ GATHER_CASES = [
     (2, (7,), FP32, [0, -1]),
 ]
 #: dtypes without a reduction kernel: gathered as bytes by the push kernel, bit for bit.
+#: Kernel launches of a call that falls back on a communicator with kernels: one, which carries the call's
+#: signature to the peers before the torch.distributed collective (docs/api.md).
+FALLBACK_LAUNCHES = 1
+
 GATHER_FALLBACK_DTYPES = [torch.int32, torch.int64, torch.bool, torch.uint8, torch.float64,
                           torch.float8_e4m3fn]
 
@@ -136,7 +142,8 @@ def _check_gather(results, expect_plan, check, expect_launches=None):
             check(_assert_same_raw, res["y"], res["ref"], f"{where}: all_gather vs torch.cat")
             check.that(res["plan"] == expect_plan, f"{where}: plan {res['plan']!r}, expected {expect_plan!r}")
             if expect_plan == "fallback":
-                check.that(res["launches"] == 0, f"{where}: the fallback launched {res['launches']} kernels")
+                check.that(res["launches"] == FALLBACK_LAUNCHES,
+                           f"{where}: the fallback launched {res['launches']} kernels")
             elif expect_launches is not None:
                 check.that(res["launches"] == expect_launches,
                            f"{where}: {res['launches']} launches, expected {expect_launches}")
@@ -252,7 +259,8 @@ def test_reduce_scatter(pools, world, shape, dtype, dim, max_bytes, algo, kernel
             if max_bytes:
                 check.that(res["launches"] > 1, f"rank {r}: the chunked case ran in one launch")
         else:
-            check.that(res["launches"] == 0, f"rank {r}: {res['launches']} launches; expected torch.distributed")
+            check.that(res["launches"] == FALLBACK_LAUNCHES,
+                       f"rank {r}: {res['launches']} launches; expected torch.distributed")
     check.done()
 
 
@@ -302,7 +310,8 @@ def test_interleaved_calls(pools, world):
         for (fail, _, launches), (op, shape, dtype, algo) in zip(report, INTERLEAVE):
             step = f"rank {r}: {op} {shape} {dtype_name(dtype)} {algo}"
             check.that(fail is None, f"{step}: {fail}")
-            check.that((launches == 0) == (algo == "fallback"), f"{step}: {launches} launches")
+            check.that(launches == FALLBACK_LAUNCHES if algo == "fallback" else launches >= 1,
+                       f"{step}: {launches} launches")
     for i, (op, shape, dtype, algo) in enumerate(INTERLEAVE):
         if op != "reduce_scatter":  # shares differ between ranks
             check.that(len({report[i][1] for report in results}) == 1, f"step {i} {op} {shape}: ranks differ")

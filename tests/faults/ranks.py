@@ -253,3 +253,34 @@ def killed_rank(rank: int, world_size: int, out_dir: str, timeout_s: float) -> i
         json.dump(seen, f)
     comm.close()
     return rank
+
+
+def fallback_on_one_rank_case(ctx, mode: str, timeout_s: float) -> dict:
+    """The last rank's call falls back to ``torch.distributed`` while the others run kernels: ``forced``
+    (``use_algorithm("fallback")`` on that rank only) or ``wide`` (``max_bytes`` of 1 KiB and that rank's
+    rows 2 KiB wide, where the others' are 128 B: its plan is the fallback). What each rank's fused call
+    did (the error's type and op, or "returned"), then a new communicator after ``close()`` on every
+    rank, and whether its all-reduce is right (the process group still pairs its collectives)."""
+    last = ctx.world_size - 1
+    comm = new_communicator(max_bytes=1024 if mode == "wide" else None, timeout_s=timeout_s)
+    H = 1024 if mode == "wide" and ctx.rank == last else 64
+    x = torch.full((2, H), float(ctx.rank + 1), dtype=torch.bfloat16)
+    w = torch.ones(H, dtype=torch.bfloat16)
+    seen = "returned"
+    try:
+        dist.barrier()
+        if mode == "forced" and ctx.rank == last:
+            with comm.use_algorithm("fallback"):
+                comm.fused_add_rmsnorm(x, x.clone(), w)
+        else:
+            comm.fused_add_rmsnorm(x, x.clone(), w)
+    except tpcomm.PeerTimeoutError as e:
+        seen = f"{type(e).__name__} {e.op}"
+    except Exception as e:  # another type is a finding
+        seen = f"{type(e).__name__}: {e}"
+    finally:
+        comm.close()
+    dist.barrier()  # every rank has given up before the new communicator's set-up collective
+    with tpcomm.Communicator(timeout_s=timeout_s) as fresh:
+        y = fresh.all_reduce(torch.full((2, 64), float(ctx.rank + 1)))
+    return {"seen": seen, "after": bool((y == sum(range(1, ctx.world_size + 1))).all())}

@@ -163,3 +163,19 @@ def test_a_killed_rank_is_named_by_every_survivor(tmp_path, world):
         check.that(seen["seconds"] < 2 * TIMEOUT_S + MARGIN_S,
                    f"rank {r}: took {seen['seconds']:.2f} s to raise (timeout {TIMEOUT_S} s and its grace)")
     check.done()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["forced", "wide"])
+def test_a_rank_that_falls_back_alone_fails_the_call_on_every_rank(pools, world, mode):
+    """One rank's call falls back to torch.distributed (forced there, or a row wider than max_bytes there
+    only) while its peers run kernels: every rank raises (the fallback rank in the all-gather launch that
+    precedes every fallback call of a communicator with kernels), none returns, and after close() a new
+    communicator on the same process group is right (no collective was left to pair with its set-up)."""
+    results = pools.get(world).run(cases.fallback_on_one_rank_case, mode, TIMEOUT_S)
+    check = Checks()
+    for r, res in enumerate(results):
+        check.that(res["seen"].startswith("Peer") and res["seen"].endswith(" fused_add_rmsnorm"),
+                   f"rank {r}: the call {res['seen']}; expected a PeerTimeoutError naming fused_add_rmsnorm")
+        check.that(res["after"], f"rank {r}: the new communicator's all-reduce is wrong")
+    check.done()

@@ -70,4 +70,5 @@ def test_a_communicator_falls_back_with_the_reason(tmp_path):
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-        assert "USES_KERNELS False REASON Triton was imported before tpcomm" in out, out
+        assert "USES_KERNELS False REASON on group rank(s) [0, 1]: Triton was imported before tpcomm" in out, out
+        assert "in that process" in out, out  # each rank's reason speaks of the ranks it names
