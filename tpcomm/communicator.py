@@ -871,8 +871,8 @@ class Communicator:
     @property
     def uses_kernels(self) -> bool:
         """True when calls run tpcomm's kernels; False when every call falls back to torch.distributed:
-        no workspace (``fallback_reason`` says why), or ``TPCOMM_ALGO=fallback`` (a ``use_algorithm`` block
-        may still pick a kernel then)."""
+        no workspace (``fallback_reason`` says why), or ``fallback`` forced (``TPCOMM_ALGO``, or inside a
+        ``use_algorithm("fallback")`` block; another block may still pick a kernel)."""
         return self.workspace is not None and self.algorithm != "fallback"
 
     def close(self) -> None:
