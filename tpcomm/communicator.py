@@ -20,7 +20,7 @@ from .kernels.launch import direct_launch_supported
 from .kernels.sync import ABORTED_CODE, MISMATCH_CODE, call_signature
 from .quant import DEFAULT_GROUP_SIZE, check_unquantized_call, fp8_outputs
 from .validate import checked_limits
-from .workspace import Workspace
+from .workspace import Workspace, slot_bytes_for
 
 #: Default bytes one launch can carry per rank. 32 MiB on CUDA keeps a 4096 x 4096 bf16 call in one
 #: launch; 1 MiB under the CPU interpreter, whose calls are small. Larger messages run in chunks.
@@ -71,7 +71,8 @@ class Communicator:
             interpreter (``TRITON_INTERPRET=1``, which importing tpcomm sets on a machine without CUDA; on
             a machine with CUDA, set it before tpcomm and Triton are imported).
         max_bytes: bytes of one rank's message that one launch carries (default 32 MiB on CUDA, 1 MiB on
-            CPU). Larger messages run in chunks of whole rows through the same kernels: no size limit.
+            CPU), rounded up to a multiple of 256 (``comm.max_bytes`` is the rounded value). Larger
+            messages run in chunks of whole rows through the same kernels: no size limit.
         timeout_s: seconds a kernel waits for a peer before giving up (default ``TPCOMM_TIMEOUT_S`` or 30).
 
     Falls back to ``torch.distributed`` (on every rank together) when the group spans hosts, the
@@ -188,6 +189,7 @@ class Communicator:
             max_bytes = DEFAULT_MAX_BYTES_CUDA if self.device.type == "cuda" else DEFAULT_MAX_BYTES_CPU
         self.max_bytes, self.timeout_s = checked_limits("Communicator", max_bytes,
                                                         self.env.timeout_s if timeout_s is None else timeout_s)
+        self.max_bytes = slot_bytes_for(self.max_bytes)  # what a launch carries: the plans and peers compare it
         self.algorithm = self.env.algo
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -574,7 +576,8 @@ class Communicator:
         if dim != 0:
             y = x.movedim(dim, 0)  # (S, *pre, *post)
             g = self._gather(op, y, 0, call).view(W, *y.shape).movedim((0, 1), (dim, dim + 1))
-            return g.reshape(*x.shape[:dim], W * x.shape[dim], *x.shape[dim + 1:])
+            # contiguous, as torch.cat returns it (reshape may give a strided view here)
+            return g.reshape(*x.shape[:dim], W * x.shape[dim], *x.shape[dim + 1:]).contiguous()
         n = x.numel()
         out = torch.empty((W * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         if n == 0:
@@ -866,7 +869,12 @@ class Communicator:
         if self._closed:
             raise RuntimeError(f"{op}: this Communicator is closed")
         if self.workspace is not None and self.workspace.error_code():
-            self.check(op)
+            try:
+                self.check(op)
+            except PeerTimeoutError as e:  # the same error, saying which call meets it now
+                e.args = (f"{e.args[0]} (raised again by a later {op} call: a failed call leaves the "
+                          "communicator unusable)",)
+                raise
 
     @property
     def uses_kernels(self) -> bool:

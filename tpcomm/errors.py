@@ -30,7 +30,8 @@ class PeerTimeoutError(TpcommError):
     def _message(self, timeout_s: float) -> str:
         return (f"{self.op}: rank {self.rank} waited more than {timeout_s:g} s for rank {self.peer} at epoch "
                 f"{self.epoch} (program {self.program}); rank {self.peer} skipped the call, called another op or "
-                "size, or is stuck. This communicator is unusable now; create a new one.")
+                "size, ran another kind of kernel (another algorithm, or the torch.distributed fallback), or is "
+                "stuck. This communicator is unusable now; create a new one.")
 
 
 class PeerMismatchError(PeerTimeoutError):

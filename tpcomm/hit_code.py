@@ -202,4 +202,6 @@ def compile_hit(spec: HitSpec, replays: tuple, nbytes: tuple, residues: tuple | 
     source = "\n".join(code) + "\n"
     namespace = dict(consts)
     exec(compile(source, f"<tpcomm repeat of {spec.op}>", "exec"), namespace)
-    return namespace["hit"], source
+    # taken out of its own globals: left there, function and namespace form a cycle that keeps the
+    # recorded launches, and through them the workspace, alive after close() until the cyclic GC runs
+    return namespace.pop("hit"), source

@@ -93,10 +93,21 @@ def _type_name(v) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
 
 
+#: Dtypes no op takes: bit containers and sub-byte integers, whose elements torch cannot copy or cat.
+_NO_BYTES = frozenset(getattr(torch, n) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "uint1",
+                                                  "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "int1",
+                                                  "int2", "int3", "int4", "int5", "int6", "int7")
+                      if hasattr(torch, n))
+
+
 def check_tensor(op: str, name: str, t, device: torch.device) -> None:
-    """``t`` is a tensor on ``device``."""
+    """``t`` is a tensor on ``device``, of a dtype whose elements are whole bytes (TypeError for torch's bit
+    containers and sub-byte integers, which torch itself cannot copy)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {_type_name(t)}")
+    if t.dtype in _NO_BYTES:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}, a bit container or sub-byte integer; expected a "
+                        "dtype of whole-byte elements")
     if t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but this communicator runs on {device}")
 

@@ -49,6 +49,12 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def slot_bytes_for(max_bytes: int) -> int:
+    """The bytes a slot holds for a ``max_bytes`` launch: ``max_bytes`` rounded up to a multiple of 256
+    (slots start 256-byte aligned), at least 256. What a communicator's ``max_bytes`` then is."""
+    return _round_up(max(max_bytes, _ALIGN), _ALIGN)
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can launch with programmatic dependent launch: a CUDA GPU of compute
     capability 9.0 or more (``griddepcontrol``), kernels compiled (not under the interpreter)."""
@@ -106,7 +112,7 @@ class Workspace:
         self.world_size = world_size
         self.max_programs = max_programs
         self.pad_programs = two_shot_factor * max_programs
-        self.slot_bytes = _round_up(max(slot_bytes, _ALIGN), _ALIGN)
+        self.slot_bytes = slot_bytes_for(slot_bytes)
         self.flag_bytes = _round_up(2 * PHASES * self.pad_programs * self.world_size * 8, _ALIGN)
         self.lamport_slot_bytes = _round_up(lamport_slot_bytes, _ALIGN)
         self.data_bytes = 2 * self.world_size * self.slot_bytes

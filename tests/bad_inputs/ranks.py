@@ -288,6 +288,18 @@ def _(k):
     return ["no exception"]
 
 
+@case("all_reduce bits8 x")
+def _(k):
+    k.comm().all_reduce(torch.zeros(2, 16, dtype=torch.uint8, device=k.device).view(torch.bits8))
+    return ["no exception"]
+
+
+@case("all_gather uint1 x")
+def _(k):
+    k.comm().all_gather(torch.empty(2, 16, dtype=torch.uint1, device=k.device))
+    return ["no exception"]
+
+
 @case("all_reduce float64 x")
 def _(k):
     k.comm().all_reduce(torch.ones(2, 16, dtype=torch.float64, device=k.device))
@@ -880,6 +892,8 @@ EXPECTED: dict[str, dict] = {
     "all_reduce float8_e5m2 x": raises(TypeError, "x", AR),
     "fused float8_e4m3fn x": raises(TypeError, "x", FU),
     "all_reduce float64 x": raises(TypeError, "x", AR),
+    "all_reduce bits8 x": raises(TypeError, "x", AR),
+    "all_gather uint1 x": raises(TypeError, "x", "all_gather"),
     "fused float8_e4m3fn residual": raises(TypeError, "residual", FU),
     "fused float8_e4m3fn weight": result(1),
     "fused float64 weight": result(1),

@@ -157,8 +157,8 @@ def algorithms_case(ctx, seed, shape, dtype, exponents, prefixes, algos, fp8=Fal
 # -- all_gather, reduce_scatter ----------------------------------------------------------------------------
 def all_gather_case(ctx, seed, shape, dtype, dims, max_bytes=None, algo="auto"):
     """``all_gather(x, dim)`` for each dim of ``dims`` (inputs: :func:`any_input`). Returns per dim the
-    result (or the error it raised), the expected ``torch.cat`` of every rank's input, the launches
-    (epoch steps) and the plan."""
+    result (or the error it raised), whether it is contiguous, the expected ``torch.cat`` of every rank's
+    input, the launches (epoch steps) and the plan."""
     comm = ctx.comm(max_bytes)
     xs = [any_input(seed, r, shape, dtype) for r in range(ctx.world_size)]
     x = xs[ctx.rank]
@@ -173,6 +173,7 @@ def all_gather_case(ctx, seed, shape, dtype, dims, max_bytes=None, algo="auto"):
             except Exception as e:  # reported by the test; the pool stays up for the next one
                 y, error = None, f"{type(e).__name__}: {e}"
         result[dim] = {"y": _picklable(y), "error": error, "ref": _picklable(torch.cat(xs, dim)),
+                       "contiguous": y is not None and y.is_contiguous(),
                        "launches": _epoch(comm) - before,
                        "plan": plan, "x_untouched": torch.equal(raw(x), x_before)}
     return result

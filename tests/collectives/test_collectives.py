@@ -140,6 +140,7 @@ def _check_gather(results, expect_plan, check, expect_launches=None):
                 check.that(False, f"{where}: all_gather raised {res['error']}")
                 continue
             check(_assert_same_raw, res["y"], res["ref"], f"{where}: all_gather vs torch.cat")
+            check.that(res["contiguous"], f"{where}: the result is not contiguous (torch.cat's is)")
             check.that(res["plan"] == expect_plan, f"{where}: plan {res['plan']!r}, expected {expect_plan!r}")
             if expect_plan == "fallback":
                 check.that(res["launches"] == FALLBACK_LAUNCHES,

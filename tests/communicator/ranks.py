@@ -632,3 +632,14 @@ def env_timeout_case(ctx, value):
         return {"timeout_s": comm.timeout_s, "workspace_timeout_s": comm.workspace.timeout_s}
     finally:
         comm.close()
+
+
+def max_bytes_rounding_case(ctx) -> dict:
+    """``max_bytes`` 300 on rank 0 and 512 on the others (the same workspace): the communicator is made,
+    ``max_bytes`` reads 512 everywhere, and a row of 512 bytes (1 x 128 fp32) plans a kernel."""
+    comm = tpcomm.Communicator(max_bytes=300 if ctx.rank == 0 else 512)
+    try:
+        plan = comm.plan("fused_add_rmsnorm", 512, 128, torch.float32)
+        return {"max_bytes": comm.max_bytes, "plan": plan.algorithm, "reason": plan.reason}
+    finally:
+        comm.close()

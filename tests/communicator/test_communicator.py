@@ -583,3 +583,10 @@ def test_peer_timeout_does_not_add_up_per_row(pool2, algo):
     check.that(tn <= bound, f"{algo}: {TIMEOUT_ROWS} rows took {tn:.2f} s to time out, one row {t1:.2f} s: "
                             f"waits add up per row (bound {bound:.2f} s)")
     check.done()
+
+
+def test_max_bytes_is_rounded_up_to_what_a_slot_holds(pool2):
+    """max_bytes is rounded up to a multiple of 256 bytes at creation (docs/api.md): ranks that pass 300
+    and 512 make the same workspace and are not refused, and a 512-byte row runs a kernel."""
+    for r, res in enumerate(pool2.run(ranks.max_bytes_rounding_case)):
+        assert res["max_bytes"] == 512 and res["plan"] != "fallback", (r, res)

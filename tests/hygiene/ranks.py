@@ -26,10 +26,11 @@ def rss_bytes() -> int:
 
 
 def shm_maps() -> int:
-    """Mappings of tpcomm shared-memory files in this process (unlinked files stay mapped, listed as
-    ``/dev/shm/tpcomm-... (deleted)``, until the last tensor on them is freed)."""
+    """Mappings of tpcomm shared-memory files in this process (the anonymous ``/memfd:tpcomm-...``, or
+    unlinked files, listed as ``/dev/shm/tpcomm-... (deleted)``), which stay mapped until the last tensor
+    on them is freed."""
     with open("/proc/self/maps") as f:
-        return sum("/dev/shm/tpcomm-" in ln for ln in f)
+        return sum("/dev/shm/tpcomm-" in ln or "/memfd:tpcomm-" in ln for ln in f)
 
 
 def shm_files_of_this_process() -> list[str]:
@@ -85,6 +86,33 @@ def create_close_cycles(rank: int, world_size: int, cycles: int, device: torch.d
     after = _snapshot(device)
     return {"before": before, "after": after, "files_while_open": files_open, "right": all_right,
             "kernels": kernels, "seconds": seconds}
+
+
+def close_without_gc_case(ctx) -> dict:
+    """With Python's cyclic collector off: a communicator makes the same calls twice (the second are
+    repeats of recorded launches, whose replays hold views of the workspace), then closes. Whether each
+    repeat's code (:mod:`tpcomm.hit_code`) is gone right after close(), by reference counting alone: it
+    holds the replays, and through them the workspace. (The mappings themselves cannot be counted here:
+    Triton's interpreter keeps each launch's argument storages in a reference cycle of its own until
+    the next gc pass; GPU launches do not go through it.)"""
+    import gc
+    import weakref
+
+    x = torch.ones(3, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    gc.collect()
+    gc.disable()
+    try:
+        comm = tpcomm.Communicator(max_bytes=1 << 16)
+        for _ in range(2):
+            comm.all_reduce(x)
+            comm.fused_add_rmsnorm(x, x, w)
+        codes = [weakref.ref(entry.hit) for entry in comm._calls._entries.values()]
+        comm.close()
+        alive = sum(ref() is not None for ref in codes)
+    finally:
+        gc.enable()
+    return {"recorded": len(codes), "alive": alive}
 
 
 def pool_cycles(ctx, cycles: int, call_every: int, max_bytes=None) -> dict:

@@ -39,6 +39,14 @@ def test_create_close_cycles_leak_nothing(pools):
     check.done()
 
 
+def test_close_frees_the_workspace_without_the_cyclic_collector(pools):
+    """close() drops the recorded repeats by reference counting: their code (whose namespace once held the
+    function itself, a cycle) and with it the replays' views of the workspace are freed at once, not at
+    the next gc pass."""
+    for r, res in enumerate(pools.get(2).run(ranks.close_without_gc_case)):
+        assert res["recorded"] == 2 and res["alive"] == 0, f"rank {r}: {res}"
+
+
 def _files_of(pids) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"tpcomm-{p}-"))
 
