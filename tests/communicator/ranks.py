@@ -447,6 +447,9 @@ def peer_timeout_case(ctx, timeout_s, op, shape, dtype, algo=None, skipper=1):
     try:
         seen = None
         elapsed = None
+        # the callers start together: one that reaches its call more than the timeout after another (a
+        # busy machine) is a late rank, which its peer names instead of the skipper (PeerAbortedError)
+        dist.barrier()
         if ctx.rank != skipper:
             x = torch.ones(shape, dtype=dtype)
             t0 = time.perf_counter()
