@@ -262,10 +262,8 @@ def check(plan_world: int | None = None) -> int:
     out.append("topology (tpcomm/topology.py)")
     world = n if device == "cuda" else 2
     topo = topology.probe()
-    invalid = cfg is None or (cfg.table and table is None)  # a Communicator would raise
-    out.extend("  " + ln.replace("every call planned by the dispatch table below",
-                                 "but TPCOMM_* settings are INVALID (above), so a Communicator would raise")
-               if invalid else "  " + ln for ln in topology.report_lines(topo, device, world))
+    valid = cfg is not None and not (cfg.table and table is None)  # else a Communicator would raise
+    out.extend("  " + ln for ln in topology.report_lines(topo, device, world, valid))
     kernels = topology.algorithm_availability(topo, device, world)[0][1]
 
     out.append("algorithms")

@@ -162,9 +162,7 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         raise TypeError(f"{op}: ue8m0 must be a bool, got {type(ue8m0).__name__}")
     if not isinstance(column_major_scales, bool):
         raise TypeError(f"{op}: column_major_scales must be a bool, got {type(column_major_scales).__name__}")
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-        raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__}")
-    group_size = int(group_size)  # numpy integers too
+    group_size = _group_size_int(op, group_size)
     if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
         raise ValueError(f"{op}: group_size={group_size}; expected a power of two from 1 to {MAX_GROUP_SIZE}")
     T, H = x.shape

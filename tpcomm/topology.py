@@ -270,19 +270,23 @@ def algorithm_availability(topo: Topology, device: str, world_size: int) -> list
     return kernels + gather + fallback
 
 
-def communicator_outcome(topo: Topology, device: str, world_size: int) -> str:
-    """What a Communicator over that group would do, in one sentence."""
+def communicator_outcome(topo: Topology, device: str, world_size: int, settings_valid: bool = True) -> str:
+    """What a Communicator over that group would do, in one sentence (``settings_valid`` False: the
+    TPCOMM_* settings are invalid, so it would raise instead of planning calls)."""
     avail = algorithm_availability(topo, device, world_size)
     if avail[0][1]:
         where = (f"{world_size} GPUs, symmetric-memory workspace" if device == "cuda"
                  else f"{world_size} CPU ranks, shared-memory workspace (memfd), Triton interpreter")
-        return f"kernels ({where}); every call planned by the dispatch table below"
+        then = ("every call planned by the dispatch table below" if settings_valid else
+                "but TPCOMM_* settings are INVALID (above), so a Communicator would raise")
+        return f"kernels ({where}); {then}"
     return f"fallback to torch.distributed on every rank: {avail[0][2]}"
 
 
-def report_lines(topo: Topology, device: str, world_size: int) -> list[str]:
+def report_lines(topo: Topology, device: str, world_size: int, settings_valid: bool = True) -> list[str]:
     """Lines for ``tpcomm check``: the GPUs (visible and nvidia-smi indices), peer access and link of
-    every pair, the algorithms available and why not, and what a Communicator would do."""
+    every pair, the algorithms available and why not, and what a Communicator would do
+    (:func:`communicator_outcome`, ``settings_valid`` as there)."""
     out = []
     n = len(topo.gpus)
     cvd = topo.cuda_visible_devices
@@ -306,5 +310,5 @@ def report_lines(topo: Topology, device: str, world_size: int) -> list[str]:
     out.append(f"a group of {world_size} {'GPUs' if device == 'cuda' else 'CPU ranks'}:")
     for name, ok, why in algorithm_availability(topo, device, world_size):
         out.append(f"  {name:<18} {'available' if ok else 'NOT available'}" + (f" ({why})" if why else ""))
-    out.append("Communicator: " + communicator_outcome(topo, device, world_size))
+    out.append("Communicator: " + communicator_outcome(topo, device, world_size, settings_valid))
     return out
