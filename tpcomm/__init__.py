@@ -45,4 +45,4 @@ __all__ += ["mxfp4_quant", "nvfp4_quant", "pack_ue8m0_scales", "per_group_quant_
 from .graphs import GraphCaptureError  # noqa: E402  (tpcomm.ops, the custom ops, is imported on demand)
 
 __all__ += ["GraphCaptureError"]
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402, F401  (tpcomm.__version__)

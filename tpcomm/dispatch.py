@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -220,10 +221,44 @@ class Plan:
         algorithm: ``"lamport"``, ``"one_shot"``, ``"two_shot"``, ``"push"`` (all-gather) or
             ``"fallback"`` (``torch.distributed``).
         reason: why, for ``tpcomm check`` and error messages.
+        width: elements per row of the launches (:func:`plan_call`): the row width of the fused op and
+            of reduce-scatter, :func:`all_reduce_width` of the message for the all-reduce (the
+            algorithm's) and the all-gather; 0 for a plan that launches no row kernel (the fallback,
+            ``push`` of an integer sum or of narrow reduce-scatter rows) and from :func:`choose`.
     """
 
     algorithm: str
     reason: str
+    width: int = 0
+
+    def skips_out(self, quantised_only: bool) -> bool:
+        """Whether a fused call that asks for quantised outputs only (``quantised_only``: a quant form
+        without ``emit_unquantized``, with a residual) leaves ``out`` unwritten under this plan: one-shot
+        and Lamport stage nothing in ``out``, so their kernels take ``residual_out`` as their out pointer
+        (for its dtype); two-shot stages its shares there."""
+        return quantised_only and self.algorithm in OUT_FREE_ALGORITHMS
+
+
+#: Algorithms whose fused kernels stage nothing in ``out`` (:meth:`Plan.skips_out`).
+OUT_FREE_ALGORITHMS = ("one_shot", "lamport")
+
+
+def check_plan_args(op, nbytes, hidden, dtype) -> None:
+    """The arguments of a plan request (:meth:`tpcomm.Communicator.plan`'s Raises section).
+
+    Raises:
+        ValueError: ``op`` is not one of ``OPS``, or ``nbytes`` or ``hidden`` is negative.
+        TypeError: ``nbytes`` or ``hidden`` is not an int, or ``dtype`` not a ``torch.dtype``.
+    """
+    if op not in OPS:
+        raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
+    for name, value in (("nbytes", nbytes), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"plan: {name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"plan: {name} must be >= 0, got {value}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"plan: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
 
 
 def choose(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.dtype,
@@ -352,6 +387,8 @@ def plan_call(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.d
         hidden: the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for ``all_reduce`` and
             ``all_gather`` it is ignored (the width is :func:`all_reduce_width` of the message).
         workspace: the communicator's :class:`~tpcomm.workspace.Workspace` (its slot sizes), or None.
+    Returns:
+        The :class:`Plan`, with the row width its launches take (``Plan.width``).
     """
     ws = workspace
     if op in ("all_reduce", "reduce_scatter") and is_integer(dtype) and ws is not None and forced != "fallback":
@@ -381,4 +418,6 @@ def plan_call(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.d
         plan = Plan("one_shot", "two-shot cannot carry this message; " + plan.reason)
     if ws.rows_per_launch(hidden, es) < 1:
         return Plan("fallback", f"a row of {hidden} elements exceeds max_bytes")
-    return plan
+    if op == "all_reduce":  # the algorithm's rows (Lamport's are narrower at few tokens)
+        hidden = all_reduce_width(max(1, numel), es, ws, plan.algorithm)
+    return Plan(plan.algorithm, plan.reason, hidden)

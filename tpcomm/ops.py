@@ -63,7 +63,7 @@ from typing import Optional
 
 import torch
 
-from . import graphs
+from . import capture
 from .quant import DEFAULT_GROUP_SIZE, QUANT_MODES, check_unquantized_call
 
 
@@ -168,7 +168,7 @@ def _unaligned(*outputs) -> tuple:
 @torch.library.custom_op("tpcomm::all_reduce", mutates_args=(), schema="(int handle, Tensor x) -> Tensor")
 def _all_reduce_op(handle: int, x: torch.Tensor) -> torch.Tensor:
     comm = lookup(handle)
-    graphs.before_call(comm, ("all_reduce", _sig(x), (tuple(x.shape), x.dtype, True)))
+    capture.before_call(comm, ("all_reduce", _sig(x), (tuple(x.shape), x.dtype, True)))
     return comm.all_reduce(x)
 
 
@@ -181,7 +181,7 @@ def _(handle, x):
                          schema="(int handle, Tensor x, Tensor(a!) out) -> ()")
 def _all_reduce_out_op(handle: int, x: torch.Tensor, out: torch.Tensor) -> None:
     comm = lookup(handle)
-    graphs.before_call(comm, _signature("all_reduce", x, out))
+    capture.before_call(comm, _signature("all_reduce", x, out))
     comm.all_reduce(x, out=out)
 
 
@@ -196,7 +196,7 @@ def _(handle, x, out):
 def _fused_add_rmsnorm_op(handle: int, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                           eps: float, gemma: bool) -> list[torch.Tensor]:
     comm = lookup(handle)
-    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight))
+    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight))
     out, residual_out = comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma)
     return [out] if residual_out is None else [out, residual_out]
 
@@ -214,7 +214,7 @@ def _(handle, x, residual, weight, eps, gemma):
 def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
                   emit_unquantized, scale=None, swizzled_scales=False):
     comm = lookup(handle)
-    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
+    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={emit_unquantized})",
                                         x, residual, weight) + (_scale_sig(scale),))
@@ -249,7 +249,7 @@ def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
                                 "Tensor(b!) out, Tensor(c!)? residual_out) -> ()")
 def _fused_add_rmsnorm_out_op(handle, x, residual, weight, eps, gemma, out, residual_out) -> None:
     comm = lookup(handle)
-    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight)
+    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight)
                        + _unaligned(out, residual_out))
     comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, out=out,
                            residual_out=residual if residual_out is None else residual_out)
@@ -269,7 +269,7 @@ def _(handle, x, residual, weight, eps, gemma, out, residual_out):
 def _fused_fp8_out_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
                       q, scales, residual_out, out, scale=None, swizzled_scales=False) -> None:
     comm = lookup(handle)
-    graphs.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
+    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={out is not None})",
                                         x, residual, weight) + (_scale_sig(scale),)
@@ -311,7 +311,7 @@ def _norm_dim(op: str, x: torch.Tensor, dim: int) -> int:
                          schema="(int handle, Tensor x, int dim, int rank, int world_size) -> Tensor")
 def _all_gather_op(handle: int, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
     comm = _lookup_group("all_gather", handle, rank, world_size)
-    graphs.before_call(comm, _signature(f"all_gather(dim={dim})", x))
+    capture.before_call(comm, _signature(f"all_gather(dim={dim})", x))
     return comm.all_gather(x, dim).contiguous()  # contiguous as the fake says (a no-op unless dim != 0)
 
 
@@ -327,7 +327,7 @@ def _(handle, x, dim, rank, world_size):
                          schema="(int handle, Tensor x, int dim, int rank, int world_size) -> Tensor")
 def _reduce_scatter_op(handle: int, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
     comm = _lookup_group("reduce_scatter", handle, rank, world_size)
-    graphs.before_call(comm, _signature(f"reduce_scatter(dim={dim})", x))
+    capture.before_call(comm, _signature(f"reduce_scatter(dim={dim})", x))
     return comm.reduce_scatter(x, dim).contiguous()
 
 

@@ -233,7 +233,7 @@ def constructor_error_case(ctx, case):
 SETTINGS = {
     "algo": ({"TPCOMM_ALGO": "two_shot"}, None, "TPCOMM_ALGO"),
     "algo_fallback": ({"TPCOMM_ALGO": "fallback"}, None, "TPCOMM_ALGO"),
-    "tpcomm_version": ({}, ("tpcomm", "__version__", "0.0.0-other"), "tpcomm version"),
+    "tpcomm_version": ({}, ("tpcomm.version", "__version__", "0.0.0-other"), "tpcomm version"),
     "triton_version": ({}, ("triton", "__version__", "0.0.0-other"), "Triton version"),
     "pdl": ({"TPCOMM_PDL": "0"}, None, None),
     "timeout": ({"TPCOMM_TIMEOUT_S": "7"}, None, None),

@@ -1,7 +1,6 @@
-"""Quantised outputs of activations: FP8 per token, per group (with float32 or UE8M0 scales) and static
-per tensor, MXFP4 and NVFP4. The standalone quantisation (Triton) and the outputs of
-``Communicator.fused_add_rmsnorm(..., quant=...)`` (validation, allocation, the kernels' view of them,
-and the fallback's fill).
+"""Standalone quantisation of activations (Triton): FP8 per token, per group (with float32 or UE8M0
+scales) and static per tensor, MXFP4 and NVFP4, with the checks of their scales and group sizes that the
+fused ops' quant forms (:mod:`tpcomm.quant.forms`) share.
 
 The standalone ops are the unfused path of the quantised epilogues and what their bytes are checked
 against; the numerics are docs/numerics.md item 4 and "Quantised output forms", written out in
@@ -21,25 +20,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
-from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
-from . import reference
-from .dispatch import row_config
-from .env import interpreter_enabled, interpreter_problem
-from .kernels import fp4 as _fp4, quant as _k
-from .kernels.epilogue import (
-    QUANT_MXFP4,
-    QUANT_NVFP4,
-    QUANT_PER_GROUP,
-    QUANT_PER_GROUP_UE8M0,
-    QUANT_PER_TOKEN,
-    QUANT_STATIC,
-    QuantOut,
-)
-from .validate import check_fp8_outputs
+from ..dispatch import row_config
+from ..env import interpreter_enabled, interpreter_problem
+from ..kernels import fp4 as _fp4, quant as _k
 
 #: FP8 formats and their largest finite values (the ``MAX`` of the scale rule).
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
@@ -60,6 +47,13 @@ def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
     if interpreter_enabled() or device.type != "cuda" or torch.version.cuda is None:
         return False
     return fp8_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=64)
+def native_fp8_cached(device: torch.device, fp8_dtype: torch.dtype) -> bool:
+    """:func:`native_fp8`, asked of the device once per device and format (it was a tenth of a fused
+    call's host time)."""
+    return native_fp8(device, fp8_dtype)
 
 
 def _check(op: str, x, fp8_dtype) -> None:
@@ -162,7 +156,7 @@ def per_group_quant_fp8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         raise TypeError(f"{op}: ue8m0 must be a bool, got {type(ue8m0).__name__}")
     if not isinstance(column_major_scales, bool):
         raise TypeError(f"{op}: column_major_scales must be a bool, got {type(column_major_scales).__name__}")
-    group_size = _group_size_int(op, group_size)
+    group_size = group_size_int(op, group_size)
     if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
         raise ValueError(f"{op}: group_size={group_size}; expected a power of two from 1 to {MAX_GROUP_SIZE}")
     T, H = x.shape
@@ -222,12 +216,12 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
 def _check_one_float32(op: str, name: str, t, x: torch.Tensor) -> None:
     """A standalone op's scale input ``t``: a float32 tensor of one element on ``x``'s device, finite
     and positive outside CUDA-graph capture (the check reads it: one synchronisation on CUDA)."""
-    _check_scale_tensor(op, name, t, x)
+    check_scale_tensor(op, name, t, x)
     if not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _check_scale_value(op, name, t, static=name == "scale")
+        check_scale_value(op, name, t, static=name == "scale")
 
 
-def _check_scale_tensor(op: str, name: str, t, x: torch.Tensor) -> None:
+def check_scale_tensor(op: str, name: str, t, x: torch.Tensor) -> None:
     """``t`` is a float32 tensor of one element on ``x``'s device (TypeError / ValueError naming it)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor (float32, one element), got {type(t).__name__}")
@@ -239,7 +233,7 @@ def _check_scale_tensor(op: str, name: str, t, x: torch.Tensor) -> None:
         raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}; expected the same device")
 
 
-def _check_scale_value(op: str, name: str, t: torch.Tensor, static: bool) -> None:
+def check_scale_value(op: str, name: str, t: torch.Tensor, static: bool) -> None:
     """The value of a one-element float32 ``t`` (read: a synchronisation on CUDA): finite and positive,
     and for a static FP8 scale (``static``) one whose float32 reciprocal is finite (ValueError)."""
     value = float(t.reshape(()).item())
@@ -388,130 +382,12 @@ def pack_ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
     return buf.as_strided((T, K), (1, Tp))
 
 
-# -- outputs of the fused op ------------------------------------------------------------------------
-#: ``quant`` choices of ``fused_add_rmsnorm``.
-QUANT_MODES = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static", "mxfp4", "nvfp4")
-#: The per-group forms (they take ``group_size`` and ``column_major_scales``).
-GROUP_MODES = ("fp8_per_group", "fp8_per_group_ue8m0")
-#: The FP4 forms, their block sizes and scale dtypes (they take ``swizzled_scales``; nvfp4 its global
-#: scale as ``scale``).
-FP4_BLOCKS = {"mxfp4": (32, torch.uint8), "nvfp4": (16, torch.float8_e4m3fn)}
-#: FP8 formats and their Triton types (e4m3fn: MAX 448; e4m3fnuz: MAX 240).
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-
-
-@dataclass
-class Fp8Outputs:
-    """The tensors a quantised fused call returns, and how the kernels address them.
-
-    Attributes:
-        q_fp8: ``x``'s shape, ``fp8_dtype``; FP4: ``(..., H / 2)`` uint8, two codes a byte.
-        scales_view: float32 scales as returned: ``(..., 1)`` per token, ``(..., H / g)`` per group
-            (row-major), or ``(T, H / g)`` as the transpose of a contiguous ``(H / g, T)`` (column-major);
-            static: the caller's one-element scale itself (an input, which the kernels only read); FP4:
-            the block scales, ``(..., H / block)`` (uint8 E8M0 bytes or e4m3fn) or the zero-padded
-            contiguous 128x4 buffer ``(ceil(T / 128) * 128, ceil(H / block / 4) * 4)``.
-        mode, fp8_dtype, group_size, column_major, swizzled: the request.
-        in_scale: static FP8's scale or NVFP4's global scale (read by the kernels), else None.
-    """
-
-    q_fp8: torch.Tensor
-    scales_view: torch.Tensor
-    mode: str
-    fp8_dtype: torch.dtype
-    group_size: int
-    column_major: bool
-    swizzled: bool = False
-    in_scale: torch.Tensor | None = None
-
-    def launch_args(self, device: torch.device, store_out: bool) -> QuantOut:
-        """The kernels' :class:`~tpcomm.kernels.epilogue.QuantOut` (``store_out``: also write ``out``)."""
-        import triton.language as tl
-
-        T = self.q_fp8.numel() // self.q_fp8.shape[-1]
-        if self.mode in FP4_BLOCKS:
-            linear = (self.scales_view.shape[-1], 1, 1)  # group 1: linear scales; 0: swizzled (fp4_row)
-            row_stride, group_stride, group = (0, 0, 0) if self.swizzled else linear
-        elif self.mode == "fp8_static":
-            row_stride, group_stride, group = 0, 0, 1  # no output scales
-        elif self.mode == "fp8_per_token":
-            row_stride, group_stride, group = 1, 0, 1
-        elif self.column_major:
-            row_stride, group_stride, group = 1, T, self.group_size
-        else:
-            row_stride, group_stride, group = self.scales_view.shape[-1], 1, self.group_size
-        mode = {"fp8_per_token": QUANT_PER_TOKEN.value, "fp8_per_group": QUANT_PER_GROUP.value,
-                "fp8_per_group_ue8m0": QUANT_PER_GROUP_UE8M0.value, "fp8_static": QUANT_STATIC.value,
-                "mxfp4": QUANT_MXFP4.value, "nvfp4": QUANT_NVFP4.value}[self.mode]
-        fp8 = tl.float8e4nv if self.fp8_dtype == torch.float8_e4m3fn else tl.float8e4b8
-        scales = self.scales_view.view(torch.uint8) if self.mode == "nvfp4" else self.scales_view
-        return QuantOut(self.q_fp8.view(torch.uint8), scales, row_stride, group_stride,
-                        mode, fp8, _native_fp8(device, self.fp8_dtype), group, store_out, self.in_scale)
-
-    def fill_from(self, out: torch.Tensor) -> None:
-        """Quantise an unquantised ``out`` into these tensors with the plain-torch reference (the
-        fallback path; the same bytes as the kernels)."""
-        rows = out.reshape(-1, out.shape[-1])
-        if self.mode in FP4_BLOCKS:
-            if self.mode == "mxfp4":
-                q, s = reference.mxfp4_quant_reference(rows)
-            else:
-                q, s = reference.nvfp4_quant_unchecked(rows, self.in_scale)
-            self.q_fp8.view(-1, q.shape[-1]).copy_(q)
-            if self.swizzled:  # only the real scales' bytes: a given buffer keeps its padding, as the kernels leave it
-                dst = self.scales_view.view(torch.uint8)
-                real = reference.swizzle_128x4(torch.ones(s.shape, dtype=torch.uint8, device=s.device)) != 0
-                dst[real] = reference.swizzle_128x4(s).view(torch.uint8)[real]
-            else:
-                self.scales_view.copy_(s.reshape(self.scales_view.shape))
-            return
-        if self.mode == "fp8_static":  # no scale to write: it is the input
-            self.q_fp8.view(-1, out.shape[-1]).copy_(reference.static_fp8_bytes(rows, self.scales_view, self.fp8_dtype))
-            return
-        if self.mode == "fp8_per_token":
-            q, s = reference.per_token_quant_reference(rows, self.fp8_dtype)
-        elif self.mode == "fp8_per_group_ue8m0":
-            q, s = reference.per_group_ue8m0_quant_reference(rows, self.group_size, self.fp8_dtype)
-        else:
-            q, s = reference.per_group_quant_reference(rows, self.group_size, self.fp8_dtype)
-        self.q_fp8.view(-1, out.shape[-1]).copy_(q)
-        self.scales_view.copy_(s.reshape(self.scales_view.shape))
-
-
-@functools.lru_cache(maxsize=64)
-def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
-    return native_fp8(device, fp8_dtype)  # asks the device once (it was a tenth of a call's host time)
-
-
-def _group_size_int(op: str, group_size) -> int:
+def group_size_int(op: str, group_size) -> int:
     """``group_size`` as an int (numpy integers too); TypeError for anything else (a float, a bool),
     whatever the quant form, so that ``128.0`` is refused where ``64.0`` is."""
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__} {group_size!r}")
     return int(group_size)
-
-
-def check_unquantized_call(op: str, fp8_dtype, group_size, column_major_scales, emit_unquantized,
-                           scale=None, swizzled_scales=False) -> None:
-    """A call without ``quant`` takes none of the quant options (they would be ignored).
-
-    Raises:
-        ValueError: ``emit_unquantized``, ``column_major_scales`` or ``swizzled_scales`` is set, ``scale``
-            is given, or ``group_size`` / ``fp8_dtype`` differs from its default.
-        TypeError: ``group_size`` is not an int.
-    """
-    if scale is not None:
-        raise ValueError(f"{op}: scale needs quant='fp8_static' or 'nvfp4' (without a quant form it would be "
-                         "ignored)")
-    if swizzled_scales:
-        raise ValueError(f"{op}: swizzled_scales needs quant='mxfp4' or 'nvfp4' (without a quant form it would "
-                         "be ignored)")
-    if (emit_unquantized or column_major_scales or _group_size_int(op, group_size) != DEFAULT_GROUP_SIZE
-            or fp8_dtype != torch.float8_e4m3fn):
-        raise ValueError(f"{op}: emit_unquantized, column_major_scales, group_size and fp8_dtype need "
-                         "a quant form (emit_unquantized any of quant='fp8_per_token', 'fp8_per_group', "
-                         "'fp8_per_group_ue8m0', 'fp8_static', 'mxfp4' or 'nvfp4'; column_major_scales and "
-                         "group_size a per-group one; fp8_dtype an FP8 one; without it they would be ignored)")
 
 
 def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static") -> None:
@@ -529,148 +405,12 @@ def check_static_scale(op: str, x: torch.Tensor, scale, quant: str = "fp8_static
         what = ("the calibrated scale: q = fp8(out * (1 / scale))" if quant == "fp8_static"
                 else "the global scale, 448 * 6 / amax as TensorRT-LLM defines it")
         raise ValueError(f"{op}: quant={quant!r} needs scale, a float32 tensor of one element ({what})")
-    _check_scale_tensor(op, "scale", scale, x)
+    check_scale_tensor(op, "scale", scale, x)
     if scale.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_fake(scale):
-        _check_scale_value(op, "scale", scale, static=quant == "fp8_static")
+        check_scale_value(op, "scale", scale, static=quant == "fp8_static")
 
 
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)
-
-
-def fp8_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype: torch.dtype, group_size: int,
-                column_major_scales: bool, q_out: torch.Tensor | None = None,
-                scales_out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                swizzled_scales: bool = False) -> Fp8Outputs:
-    """Validate the quant arguments of ``op`` for input ``x`` (``(..., H)``) and allocate the outputs, or
-    take ``q_out`` / ``scales_out`` where the caller gives them (checked by
-    :func:`tpcomm.validate.check_fp8_outputs` against the layout this call would allocate). ``scale``:
-    the input scale of ``quant='fp8_static'`` (:func:`check_static_scale`), which the result returns as
-    its scales, or NVFP4's global scale. ``swizzled_scales``: the FP4 forms' 128x4 scale layout (2-D
-    ``x``); a given ``scales_out`` in that layout has its padding left as it is.
-
-    Raises:
-        ValueError: ``quant`` or ``fp8_dtype`` is not a supported choice, ``group_size`` is not a power
-            of two in [1, 8192] or does not divide H (the message names both numbers), or
-            ``column_major_scales`` is asked for per-token or static scales or a non-2-D ``x``, or a
-            ``group_size`` other than the default is passed with per-token or static scales; ``scale`` is
-            given with another form than ``fp8_static`` or ``nvfp4``, or these have no valid ``scale``,
-            or ``fp8_static`` is given ``scales_out``; an FP4 form with H not a multiple of its block,
-            another ``fp8_dtype``, ``group_size`` or ``column_major_scales``; ``swizzled_scales`` with
-            another form or a non-2-D ``x``.
-        TypeError: ``scale`` is not a float32 tensor; ``swizzled_scales`` is not a bool; ``group_size``
-            is not an int.
-    """
-    if quant not in QUANT_MODES:
-        raise ValueError(f"{op}: quant must be None or one of {QUANT_MODES}, got {quant!r}")
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
-    H = x.shape[-1]
-    lead = x.shape[:-1]
-    if not isinstance(swizzled_scales, bool):
-        raise TypeError(f"{op}: swizzled_scales must be a bool (Python's True or False), got "
-                        f"{type(swizzled_scales).__name__}")
-    group_size = _group_size_int(op, group_size)
-    if quant in FP4_BLOCKS:
-        return _fp4_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
-                            swizzled_scales)
-    if swizzled_scales:
-        raise ValueError(f"{op}: swizzled_scales applies to the FP4 forms only (quant='mxfp4' or 'nvfp4')")
-    if quant != "fp8_static" and scale is not None:
-        raise ValueError(f"{op}: scale applies to quant='fp8_static' or 'nvfp4' only (quant={quant!r} computes "
-                         "its scales from out)")
-    if quant != "fp8_per_token" and quant not in GROUP_MODES:  # fp8_static
-        if column_major_scales:
-            raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "
-                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0')")
-        if group_size != DEFAULT_GROUP_SIZE:
-            raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
-                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; fp8_static has one scale)")
-        check_static_scale(op, x, scale)
-        if scales_out is not None:
-            raise ValueError(f"{op}: scales_out does not apply to quant='fp8_static' (its scale is the input "
-                             "scale, returned as it is)")
-        if q_out is not None:
-            check_fp8_outputs(op, x, quant, q_out, None, None, fp8_dtype, x.device)
-        return Fp8Outputs(_q(x, fp8_dtype, q_out), scale, quant, fp8_dtype, 1, False, in_scale=scale)
-    if quant == "fp8_per_token":
-        if column_major_scales:
-            raise ValueError(f"{op}: column_major_scales applies to the per-group forms only "
-                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0')")
-        if group_size != DEFAULT_GROUP_SIZE:
-            raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
-                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; per-token scales have one group: "
-                             "the row)")
-        # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
-        scales = _scales(op, x, quant, fp8_dtype, (*lead, 1), False, q_out, scales_out)
-        if H == 0:
-            scales.fill_(1.0)
-        return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, 1, False)
-    if not 1 <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
-        raise ValueError(f"{op}: group_size must be a power of two in [1, {MAX_GROUP_SIZE}] "
-                         f"(default {DEFAULT_GROUP_SIZE}), got {group_size!r}")
-    if H % group_size:
-        raise ValueError(f"{op}: x has H={H} elements per row, not a multiple of group_size={group_size}")
-    G = H // group_size
-    if column_major_scales and x.dim() != 2:
-        raise ValueError(f"{op}: column_major_scales needs a 2-D x (T, H), got shape {tuple(x.shape)}")
-    shape = (G, x.shape[0]) if column_major_scales else (*lead, G)
-    scales = _scales(op, x, quant, fp8_dtype, shape, column_major_scales, q_out, scales_out)
-    return Fp8Outputs(_q(x, fp8_dtype, q_out), scales, quant, fp8_dtype, group_size, column_major_scales)
-
-
-def _fp4_outputs(op: str, x: torch.Tensor, quant: str, fp8_dtype, group_size, column_major_scales, q_out,
-                 scales_out, scale, swizzled: bool) -> Fp8Outputs:
-    """:func:`fp8_outputs` of ``quant='mxfp4'`` / ``'nvfp4'``."""
-    block, s_dtype = FP4_BLOCKS[quant]
-    for name, bad in (("fp8_dtype", fp8_dtype != torch.float8_e4m3fn), ("group_size", group_size != DEFAULT_GROUP_SIZE),
-                      ("column_major_scales", column_major_scales)):
-        if bad:
-            raise ValueError(f"{op}: {name} applies to the FP8 forms only (quant={quant!r} has blocks of {block} "
-                             "and its own scale format)")
-    if quant == "nvfp4":
-        check_static_scale(op, x, scale, quant)
-    elif scale is not None:
-        raise ValueError(f"{op}: scale applies to quant='fp8_static' or 'nvfp4' only (quant='mxfp4' computes its "
-                         "scales from out)")
-    H = x.shape[-1]
-    if H % block:
-        raise ValueError(f"{op}: x has H={H} elements per row, not a multiple of {quant}'s block size {block}")
-    if swizzled and x.dim() != 2:
-        raise ValueError(f"{op}: swizzled_scales needs a 2-D x (T, H), got shape {tuple(x.shape)}")
-    q_shape = (*x.shape[:-1], H // 2)
-    if swizzled:
-        T, C = x.shape[0], H // block
-        s_shape = (-(-T // 128) * 128, -(-C // 4) * 4)
-    else:
-        s_shape = (*x.shape[:-1], H // block)
-    if q_out is not None or scales_out is not None:
-        check_fp8_outputs(op, x, quant, q_out, scales_out, torch.empty(s_shape, dtype=s_dtype, device="meta"),
-                          torch.uint8, x.device, q_shape)
-    q = q_out if q_out is not None else torch.empty(q_shape, dtype=torch.uint8, device=x.device)
-    if scales_out is not None:
-        scales = scales_out
-    else:  # the swizzled buffer's padding is zero (only the real scales are written)
-        scales = (torch.zeros if swizzled else torch.empty)(s_shape, dtype=s_dtype, device=x.device)
-    return Fp8Outputs(q, scales, quant, fp8_dtype, block, False, swizzled, scale if quant == "nvfp4" else None)
-
-
-def _q(x: torch.Tensor, fp8_dtype: torch.dtype, q_out: torch.Tensor | None) -> torch.Tensor:
-    return q_out if q_out is not None else torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-
-
-def _scales(op: str, x, quant: str, fp8_dtype, shape: tuple, transposed: bool, q_out, scales_out) -> torch.Tensor:
-    """The scales of a call: ``scales_out`` checked against the layout allocated here (``shape``, its
-    transpose with ``transposed``), or a new tensor of it."""
-    if q_out is None and scales_out is None:
-        scales = torch.empty(shape, dtype=torch.float32, device=x.device)
-        return scales.t() if transposed else scales
-    expected = torch.empty(shape, dtype=torch.float32, device="meta")
-    check_fp8_outputs(op, x, quant, q_out, scales_out, expected.t() if transposed else expected, fp8_dtype,
-                      x.device)
-    if scales_out is not None:
-        return scales_out
-    scales = torch.empty(shape, dtype=torch.float32, device=x.device)
-    return scales.t() if transposed else scales
