@@ -140,7 +140,7 @@ def all_reduce_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     gathered and summed in rank order in float32; int8, uint8, int32, int64, bool and complex go through
     ``dist.all_reduce``; other integers (gloo and NCCL have no int16, uint16, uint32 or uint64) are
     gathered as bytes and summed in int64, wrapping like a native sum (the same bits as the kernel path,
-    ``Communicator._integer_sum``).
+    ``tpcomm.collectives.all_gather.integer_sum``).
     Returns a new tensor shaped like ``x``.
     """
     if x.dtype in _BACKEND_SUMS or x.is_complex():

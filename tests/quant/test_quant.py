@@ -1,4 +1,4 @@
-"""Standalone FP8 quantisation (``tpcomm/quant.py``, ``tpcomm/kernels/quant.py``) against the plain-torch
+"""Standalone FP8 quantisation (``tpcomm/quant/standalone.py``, ``tpcomm/kernels/quant.py``) against the plain-torch
 reference (``tpcomm/reference.py``), byte for byte, and the FP8 encoder against a decoder written out
 by hand (so torch's own conversion is checked too).
 

@@ -133,12 +133,8 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         check_unquantized_call(OP, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
                                swizzled_scales)
     check_fused_outputs(OP, x, residual, weight, quant, emit_unquantized, out, residual_out, comm.device)
-    if quant is not None:
-        qout = fp8_outputs(OP, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
-                           swizzled_scales)
-    else:
-        qout = None
-        check_fp8_outputs(OP, x, None, q_out, scales_out, None, fp8_dtype, comm.device)
+    qout = quant_outputs(comm, OP, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                         swizzled_scales)
     plan = comm.plan(OP, x.numel() * x.element_size(), x.shape[-1], x.dtype) if x.numel() else None
     outs = FusedOutputs.make(x, residual, weight, scale, plan, qout, emit_unquantized, out, residual_out,
                              q_out, scales_out)
@@ -153,6 +149,17 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         return outs.result()
     _launch(comm, plan, x, residual, weight, outs, eps, gemma, scale, swizzled_scales, key)
     return outs.result()
+
+
+def quant_outputs(comm, op: str, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                  swizzled_scales) -> Fp8Outputs | None:
+    """The quantised outputs of the call, checked and made by its quant form (:func:`~tpcomm.quant.fp8_outputs`),
+    or None without ``quant`` (which then takes no ``q_out`` / ``scales_out``)."""
+    if quant is None:
+        check_fp8_outputs(op, x, None, q_out, scales_out, None, fp8_dtype, comm.device)
+        return None
+    return fp8_outputs(op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                       swizzled_scales)
 
 
 @dataclass
