@@ -163,18 +163,23 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     column views of one buffer with the same row stride (packed QKV), by byte spans otherwise."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + ((a.shape[0] - 1) * a.stride(0) + a.shape[1]) * a.element_size()
-    b1 = b0 + ((b.shape[0] - 1) * b.stride(0) + b.shape[1]) * b.element_size()
+    (a0, a1, sa, wa), (b0, b1, sb, wb) = _rows(a), _rows(b)
     if not (a0 < b1 and b0 < a1):
         return False
-    es, row = a.element_size(), a.stride(0) * a.element_size()
-    if b.element_size() != es or b.stride(0) != a.stride(0) or row <= 0 or (b0 - a0) % es:
+    es = a.element_size()
+    if a.dim() != 2 or b.dim() != 2 or b.element_size() != es or sb != sa or sa < max(wa, wb) or (b0 - a0) % es:
         return True  # spans meet: assumed to share
     # the same row stride: compare the column intervals inside one row (the offset modulo a row)
-    d = ((b0 - a0) % row) // es
-    wa, wb, s = a.shape[1], b.shape[1], a.stride(0)
-    return d < wa or d + wb > s  # b's columns start inside a's, or wrap into a's next row
+    d = ((b0 - a0) // es) % sa
+    return d < wa or d + wb > sa  # b's columns start inside a's, or wrap into a's next row
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(first byte, end byte, row stride, width)`` of ``t``: 2-D of unit column stride, or 1-D
+    contiguous (one row)."""
+    rows, stride, width = (t.shape[0], t.stride(0), t.shape[1]) if t.dim() == 2 else (1, t.numel(), t.numel())
+    start = t.data_ptr()
+    return start, start + ((rows - 1) * stride + width) * t.element_size(), stride, width
 
 
 # -- 3. plan -----------------------------------------------------------------------------------------------
