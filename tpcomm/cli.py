@@ -35,10 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
     d.add_argument("--quick", action="store_true", help="a smaller sweep")
-    d.add_argument("--model", choices=("llama", "gemma"), default=None,
-                   help="instead: a Hugging Face Llama (or Gemma 3) of seeded random weights, sharded over tpcomm, "
-                        "greedy decoding against the unsharded model (needs the hf extra; on a machine with one GPU "
-                        "the ranks are loopback ranks of that GPU)")
+    d.add_argument("--model", choices=("llama", "gemma", "minimax_m2"), default=None,
+                   help="instead: a Hugging Face Llama (or Gemma 3, MiniMax-M2) of seeded random weights, sharded "
+                        "over tpcomm, greedy decoding against the unsharded model (needs the hf extra; on a "
+                        "machine with one GPU the ranks are loopback ranks of that GPU)")
     d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="with --model: one dtype (default both)")
     d.add_argument("--steps", type=positive_int, default=None,

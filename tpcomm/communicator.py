@@ -533,6 +533,18 @@ class Communicator:
                 tensors, (outputs + (None, None))[:4], passed, quant, emit_unquantized, swizzled_scales, self._cuda))
         return result()
 
+    def fused_qk_rmsnorm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                         eps: float = 1e-6, *, q_out: torch.Tensor | None = None,
+                         k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of this rank's query and key columns ``q`` ``(T, Nq / W)`` and ``k`` ``(T, Nk / W)`` over
+        their full width (every rank's columns: MiniMax-M2's ``q_norm`` / ``k_norm``), in one kernel: the
+        per-token sums of squares summed over the ranks in rank order in float32, so every rank scales a
+        token by the same bits. Plain torch: ``rms_norm(q_full, w_q, eps)[:, this rank's columns]``.
+        Arguments, returns and raises: :func:`tpcomm.collectives.qk_norm.fused_qk_rmsnorm`."""
+        from .collectives.qk_norm import fused_qk_rmsnorm
+
+        return fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out)
+
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``, in rank order.
 
