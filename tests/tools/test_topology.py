@@ -193,12 +193,11 @@ def test_tpcomm_check_reports_an_invalid_setting(capsys, monkeypatch):
 
 
 def test_parse_the_captured_h200_matrix():
-    """The real output of 2 H200s (docs/data/topo_2xH200.txt: ``nvidia-smi topo -m``, then ``---`` and the
-    ``--query-gpu`` lines), as captured on 2 H200s."""
+    """The real output of 2 H200s (tests/tools/data/topo_2xH200.txt: ``nvidia-smi topo -m``, then ``---``
+    and the ``--query-gpu`` lines), as captured on 2 H200s."""
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "data",
-                        "topo_2xH200.txt")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "topo_2xH200.txt")
     matrix, query = open(path).read().split("\n---\n")
     assert topology.parse_topo_matrix(matrix) == {(0, 1): "NV18", (1, 0): "NV18"}
     rows = topology.parse_gpu_query(query)
