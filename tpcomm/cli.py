@@ -288,7 +288,7 @@ def check(plan_world: int | None = None) -> int:
                 plan = dispatch.choose(op, world, nbytes, hidden if op not in ("all_reduce", "all_gather") else
                                        min(tokens * hidden, dispatch.ALL_REDUCE_ROW), torch.bfloat16,
                                        forced=cfg.algo, kernels_available=kernels, table=table)
-                line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {plan.reason} "
+                line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {topology.cite(plan.reason)} "
                                                 f"(world {world}, bf16)")
     print("\n".join(out))
     return status

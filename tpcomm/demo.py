@@ -38,7 +38,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: DeepSeek-V3 (7168), Llama-3-70B (8192).
 MODEL_HIDDENS = (2880, 4096, 6144, 7168, 8192)
 GPU_TOKENS = (1, 16, 64, 256, 1024, 4096)
-#: The interpreter costs ~20-60 ms a row a rank at these sizes (docs/benchmarks.md, CPU demo): 2 token
+#: The interpreter costs ~20-60 ms a row a rank at these sizes (docs/performance.md, "CPU demo"): 2 token
 #: counts x 5 hiddens x 4 ops keep the CPU demo within seconds. 5 rows on the interpreter's 4 programs
 #: give one program two rows (the grid-stride loop) and an odd count.
 CPU_TOKENS = (1, 5)
