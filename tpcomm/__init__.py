@@ -3,8 +3,8 @@
 
 On a machine without CUDA, importing tpcomm sets ``TRITON_INTERPRET=1`` (unless already set) before any
 kernel is defined, so the same kernels run on the CPU. Triton must not be imported before that
-(``env.interpreter_problem``): then communicators fall back to ``torch.distributed`` and the standalone
-quant raises, saying so.
+(``env.interpreter_problem``): then importing tpcomm warns (a ``RuntimeWarning`` naming the fix),
+communicators fall back to ``torch.distributed`` and the standalone quant raises, saying so.
 """
 
 import os as _os
@@ -18,6 +18,12 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
     _os.environ["TRITON_INTERPRET"] = "1"
     # Too late for Triton's own @jit library if Triton is already imported: say so at the first kernel call
     _env.TRITON_IMPORTED_FIRST = "triton" in _sys.modules
+    if _env.TRITON_IMPORTED_FIRST:
+        import warnings as _warnings
+
+        # the results stay exact (every call falls back to torch.distributed), but only repr(comm) would say so
+        _warnings.warn(f"tpcomm: {_env.interpreter_problem()}; until then every Communicator falls back to "
+                       "torch.distributed and the standalone quantisers raise", RuntimeWarning, stacklevel=2)
 
 from .communicator import Communicator  # noqa: E402
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
