@@ -30,7 +30,7 @@ finishing call ``e + 1``, which needed this rank's call-``e + 1`` data, sent aft
 (and its re-arming) had completed in stream order.
 
 When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.py`` is in
-``tpcomm/dispatch.py``, the measurements in ``docs/history/benchmarks-to-2026-12-02.md``. 32-bit
+``tpcomm/dispatch.py``, the measurements in ``docs/design.md``. 32-bit
 inputs use ``one_shot.py`` (the 16-bit sentinel has no 32-bit counterpart that no input can hold).
 """
 

@@ -17,7 +17,7 @@ call ``e``, which needed this rank's call-``e`` data, sent after this rank's cal
 completed (stream order). A program waits only for the same program index on its peers.
 
 When it wins: small messages (decode), where one flag round trip beats any multi-step algorithm; the
-crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/history/benchmarks-to-2026-12-02.md``.
+crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/design.md``.
 """
 
 import triton
