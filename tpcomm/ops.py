@@ -532,3 +532,7 @@ def reduce_scatter(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """
     handle, rank, world_size = _group_of(comm)
     return torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size)
+
+
+# The MoE finalize ops (tpcomm::moe_finalize, tpcomm::fused_moe_finalize_add_rmsnorm) and their wrappers.
+from .ops_moe import fused_moe_finalize_add_rmsnorm, moe_finalize  # noqa: E402,F401

@@ -276,3 +276,47 @@ def test_standalone_matches_reference_and_masks_nothing_else():
         assert_same_bits(got, want, f"{dtype_name(dtype)} K={K} perm={perm}")
     empty = tpcomm.moe_finalize(torch.empty((0, 2, 8)), torch.empty((0, 2)))
     assert empty.shape == (0, 8)
+
+
+# -- torch.library ops ---------------------------------------------------------------------------------
+def ops_case(ctx, case: MoeCase) -> dict:
+    """The ops (``tpcomm.ops``) and the method, each twice, rank 1 arriving late at the first op call; the
+    fake implementation's shapes and dtypes."""
+    import time
+
+    import tpcomm.ops as tops
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    comm = ctx.comm()
+    args = moe_inputs(case, ctx.rank)
+    residual, weight = _norm_args(case)
+    qkw = quant_kwargs(case)
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    by_op = [tops.fused_moe_finalize_add_rmsnorm(comm, residual=residual, weight=weight, **args, **qkw)
+             for _ in range(2)]
+    by_method = comm.fused_moe_finalize_add_rmsnorm(residual=residual, weight=weight, **args, **qkw)
+    x_op = tops.moe_finalize(**args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        fake_qkw = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in qkw.items()}
+        fake = tops.fused_moe_finalize_add_rmsnorm(comm, residual=mode.from_tensor(residual),
+                                                   weight=mode.from_tensor(weight), **fake_args, **fake_qkw)
+    meta = [None if t is None else (tuple(t.shape), t.dtype, t.stride()) for t in fake]
+    return dict(op=[_picklable(o) for o in by_op], method=_picklable(by_method), x_op=x_op,
+                x=tpcomm.moe_finalize(**args), meta=meta,
+                real=[None if t is None else (tuple(t.shape), t.dtype, t.stride()) for t in by_method])
+
+
+@pytest.mark.parametrize("case", [_c(21, 2, "auto", BF16, 3, 2, 130, perm=True, shared=True),
+                                  _c(22, 2, "auto", FP16, 2, 8, 3072, quant="fp8_static"),
+                                  _c(23, 2, "auto", BF16, 2, 2, 2880, quant="fp8_per_group", scaling=1.25)], ids=_id)
+def test_ops_equal_the_method(pool2, case):
+    check = Checks()
+    for r, res in enumerate(pool2.run(ops_case, case)):
+        for k, outs in enumerate(res["op"]):
+            for i, (got, want) in enumerate(zip(outs, res["method"])):
+                _same(check, got, want, f"rank {r}: op call {k + 1}, output {i}")
+        check(assert_same_bits, res["x_op"], res["x"], f"rank {r}: tpcomm::moe_finalize")
+        check.that(res["meta"] == res["real"], f"rank {r}: fake outputs {res['meta']} != real {res['real']}")
+    check.done()
