@@ -284,8 +284,9 @@ def ops_case(ctx, case: MoeCase) -> dict:
     fake implementation's shapes and dtypes."""
     import time
 
-    import tpcomm.ops as tops
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tpcomm.ops as tops
 
     comm = ctx.comm()
     args = moe_inputs(case, ctx.rank)
