@@ -236,7 +236,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
             else:
                 v = tl.load(x_ptr + row_start + cols, mask=mask)
             if STAGED:  # re-armed with the peers' tiles after the epilogue
-                tl.store(base_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + dst_off + cols, v, mask=mask)
+                tl.store(own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + dst_off + cols, v, mask=mask)
             bits = v.to(tl.int16, bitcast=True)
             bits = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
             for q in tl.static_range(WORLD):
