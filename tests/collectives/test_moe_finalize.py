@@ -168,7 +168,7 @@ CASES = [
     _c(4, 2, "two_shot", BF16, 2, 8, 7168, perm=True, shared=True, quant="nvfp4"),
     _c(5, 3, "fallback", FP32, 4, 2, 130, perm=True, quant="fp8_static", residual=False),
     _c(6, 2, "one_shot", FP32, 1, 8, 7168, shared=True, quant="mxfp4", scaling=0.75),
-    _c(7, 2, "lamport", BF16, 513, 1, 130, perm=True),
+    _c(7, 2, "one_shot", BF16, 513, 1, 130, perm=True),
     _c(8, 3, "one_shot", BF16, 5, 8, 3072, shared=True, quant="fp8_per_group_ue8m0", max_bytes=8192),
     _c(9, 4, "two_shot", FP16, 17, 1, 130, perm=True, shared=True),
     _c(10, 2, "lamport", FP16, 5, 2, 130, shared=True, quant="fp8_static", max_bytes=768),
