@@ -25,6 +25,7 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
         _warnings.warn(f"tpcomm: {_env.interpreter_problem()}; until then every Communicator falls back to "
                        "torch.distributed and the standalone quantisers raise", RuntimeWarning, stacklevel=2)
 
+from .collectives.moe_finalize import moe_finalize, moe_finalize_reference  # noqa: E402
 from .communicator import Communicator  # noqa: E402
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
 from .quant import (  # noqa: E402
@@ -46,6 +47,7 @@ from .reference import (  # noqa: E402
 
 __all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError",
            "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
+__all__ += ["moe_finalize", "moe_finalize_reference"]
 __all__ += ["mxfp4_quant", "nvfp4_quant", "pack_ue8m0_scales", "per_group_quant_fp8", "per_token_quant_fp8",
             "static_quant_fp8", "per_group_quant_reference", "per_token_quant_reference"]
 from .graphs import GraphCaptureError  # noqa: E402  (tpcomm.ops, the custom ops, is imported on demand)

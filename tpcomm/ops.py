@@ -562,3 +562,6 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     """
     q_out, k_out = torch.ops.tpcomm.fused_qk_rmsnorm(handle_of(comm), q, k, q_weight, k_weight, eps)
     return q_out, k_out
+
+# The MoE finalize ops (tpcomm::moe_finalize, tpcomm::fused_moe_finalize_add_rmsnorm) and their wrappers.
+from .ops_moe import fused_moe_finalize_add_rmsnorm, moe_finalize  # noqa: E402,F401
