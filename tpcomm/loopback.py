@@ -27,17 +27,12 @@ Limits:
     alignment: Triton specialises on it). A call of several chunks loads every chunk's kernel before
     its first launch, for the same reason (docs/reliability.md, "A call of several launches").
   * No process group: a call whose plan is the ``torch.distributed`` fallback raises ``RuntimeError``.
-  * A rank's kernel spins on the GPU until its peers' kernels run: issue the ranks' calls with
-    :func:`run_ranks` (a host thread per rank, so one rank may make several calls before its peers
-    make the first), or, on one thread, every rank's part of a collective before the next collective
-    and before waiting for any of it. On one thread, a rank that makes a second call of a kernel not
-    yet loaded before its peers made its first waits for its own spinning kernel while the module
-    loads, and the call ends in ``PeerTimeoutError``.
+  * Issue every rank's part of a collective before the next collective, and before waiting for any of
+    it (:func:`run_ranks`): a rank's kernel spins on the GPU until its peers' kernels run.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import torch
@@ -134,45 +129,26 @@ def run_ranks(ranks: list[LoopbackRank], fn: Callable[[LoopbackRank], Any]) -> l
     stream (and inside a CUDA graph capture, into the graph); the current stream then waits for every
     rank. Returns ``fn``'s results in rank order (tensors are ready once the current stream gets there).
 
-    Outside a capture each rank's ``fn`` runs on a host thread of its own, all at once, as the ranks of
-    a real group run in processes of their own: ``fn`` may make several calls (say a fused call, then
-    an all-reduce of another size). A rank whose next call loads a new kernel module waits on the host
-    until the GPU's running kernels end (module loading synchronises the context), and its current
-    kernel waits on the GPU for its peers' launches of the same call: on one thread, the peers'
-    launches would never come and the call would end in ``PeerTimeoutError``; on threads of their own
-    they come, since Triton releases the interpreter lock while it loads. Inside a capture nothing runs
-    on the GPU, so the ranks are issued in rank order on this thread. When ``fn`` raises for a rank,
-    the other ranks are still issued (a rank that raised after its launch then has its peers; one that
-    raised before launching leaves them waiting until the timeout, as a skipped call would) and the
-    first exception in rank order is raised after every stream is joined."""
+    ``fn`` should make one collective call: rank 0's kernel waits on the GPU while the host issues the
+    other ranks' launches, so several calls in one ``fn`` (each compiling its kernel on first use) can
+    keep the peers' launches of the first call back past the timeout. When ``fn`` raises for a rank, the
+    later ranks are still issued (a rank that raised after its launch then has its peers; one that raised
+    before launching leaves them waiting until the timeout, as a skipped call would) and the first
+    exception is raised after every stream is joined."""
     current = torch.cuda.current_stream(ranks[0].device)
-    results: list = [None] * len(ranks)
-    errors: list = [None] * len(ranks)
-
-    def issue(i: int, rank: LoopbackRank) -> None:
-        with torch.cuda.device(rank.device), torch.cuda.stream(rank.stream):
-            try:
-                results[i] = fn(rank)
-            except BaseException as e:  # noqa: BLE001 -- re-raised below, once every rank is issued
-                errors[i] = e
-
+    results, error = [], None
     try:
         for rank in ranks:
             rank.stream.wait_stream(current)
-        if torch.cuda.is_current_stream_capturing():
-            for i, rank in enumerate(ranks):
-                issue(i, rank)
-        else:
-            threads = [threading.Thread(target=issue, args=(i, rank), name=f"tpcomm-loopback-rank{rank.rank}")
-                       for i, rank in enumerate(ranks)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            with torch.cuda.stream(rank.stream):
+                try:
+                    results.append(fn(rank))
+                except Exception as e:  # noqa: BLE001 -- re-raised below, once every rank is issued
+                    results.append(None)
+                    error = error or e
     finally:
         for rank in ranks:
             current.wait_stream(rank.stream)
-    error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
     return results
