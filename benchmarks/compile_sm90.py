@@ -25,6 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tpcomm import dispatch  # noqa: E402
 from tpcomm.kernels import gather, lamport, one_shot, two_shot  # noqa: E402
+from tpcomm.kernels.moe import NO_FINALIZE  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -65,7 +66,9 @@ DIVISIBLE_16 = {"x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "q_ptr", 
 
 def build(fn, types, constexprs, num_warps=16, pdl=True):
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in DIVISIBLE_16}
-    src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs=constexprs, attrs=attrs)
+    # the MoE finalize prologue's parameters: off (None constexprs) unless the variant gives them
+    off = {k: v for k, v in NO_FINALIZE.items() if k in fn.arg_names and k not in types and k not in constexprs}
+    src = ASTSource(fn=fn, signature=sig_of(fn, types), constexprs={**off, **constexprs}, attrs=attrs)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False,
                                                     "launch_pdl": pdl})
     size = (f"{len(k.asm['cubin'])} B cubin, {num_warps} warps, {k.asm['ptx'].count('bar.sync')} barriers, "
@@ -136,6 +139,22 @@ def variants() -> list[tuple]:
         results.append(("two_shot", "bf16", 8192, 1, quant, True,
                         job(two_shot._two_shot_kernel, t, dict(ce, SCATTER_ONLY=False),
                               dispatch.row_config(8192, 1, two_shot=True).num_warps)))
+    # the MoE finalize prologue (kernels/moe.py): token order and permuted with a shared output, rows of one
+    # tile in whole vectors (Lamport's spin) and of two tiles (Lamport's staged own row)
+    moe_types = dict(epi_types("bf16"), e_ptr="*bf16", idx_ptr="*i32", tw_ptr="*fp32", sh_ptr="*bf16", K="i32",
+                     n_expert_rows="i32", scaling="fp32")
+    for block, tiles, indexed in ((8192, 1, False), (4096, 1, True), (1024, 2, True)):
+        ce = {"WORLD": 2, "BLOCK_H": block, "NUM_TILES": tiles, "NORM": True, "HAS_RESIDUAL": True, "GEMMA": False,
+              "QUANT": 1, "STORE_OUT": True, "FP8": tl.float8e4nv, "NATIVE_FP8": True, "GROUP": 1, "PDL": True,
+              "FINALIZE": True, "INDEXED": indexed, "HAS_SHARED": indexed}
+        warps, vectors = dispatch.row_config(block, 1).num_warps, tiles == 1
+        results.append(("one_shot moe", "bf16", block, tiles, 1, True,
+                        job(one_shot._one_shot_kernel, moe_types, ce, warps)))
+        results.append(("lamport moe", "bf16", block, tiles, 1, True,
+                        job(lamport._lamport_kernel, moe_types,
+                            dict(ce, VECTORS=vectors, REARM_IN_SPIN=vectors and block // 8 >= 32 * warps,
+                                 PREFETCH=vectors, SPIN_PACK=2 if vectors and block // 8 >= 64 * warps else 1),
+                            warps)))
     # without programmatic dependent launch (TPCOMM_PDL=0, GPUs before sm_90): the same kernels, PDL off
     results.append(("one_shot no PDL", "bf16", 1024, 1, 0, True,
                     job(one_shot._one_shot_kernel, epi_types("bf16"),

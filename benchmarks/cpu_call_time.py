@@ -1,5 +1,5 @@
 """Seconds per call of a fused add + RMSNorm and an all-reduce (5 x 2880 bf16) on 2 CPU ranks under
-Triton's interpreter, after a first call: the CPU path's own speed (docs/benchmarks.md, "CPU ranks").
+Triton's interpreter, after a first call: the CPU path's own speed (docs/performance.md, "CPU ranks").
 
     python benchmarks/cpu_call_time.py [--calls 5]
 """

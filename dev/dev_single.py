@@ -1,5 +1,5 @@
 """Development timing on ONE GPU: tpcomm's kernels run with a group of one rank (no peer traffic, no
-waits), to see what a kernel body costs apart from NVLink. Used when only a one-GPU machine is lent:
+waits), to see what a kernel body costs apart from NVLink. Useful on a machine with one GPU:
 fused bf16 against fused FP8 per algorithm, the standalone quant, a launch floor. Every output is
 checked bit for bit against ``tpcomm.reference`` before it is timed. Not a published number: the
 published ones come from ``tpcomm bench`` on 2 GPUs.

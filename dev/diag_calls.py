@@ -1,7 +1,6 @@
 """Call-by-call smoke run on 2 GPUs: every op under every algorithm once, each followed by a device
 synchronisation and a timestamped line per rank, so a hang or a timeout shows which call it was (and
-``faulthandler`` dumps every rank's stack after 45 s). The first device call after a kernel change;
-it found the Lamport call-tag race (``docs/data/run-2xH200-3/diag_calls_before_tag_fix.log``).
+``faulthandler`` dumps every rank's stack after 45 s). Worth running first after a kernel change.
 
     PYTHONPATH=. python dev/diag_calls.py
 """

@@ -3,8 +3,8 @@
 
 On a machine without CUDA, importing tpcomm sets ``TRITON_INTERPRET=1`` (unless already set) before any
 kernel is defined, so the same kernels run on the CPU. Triton must not be imported before that
-(``env.interpreter_problem``): then communicators fall back to ``torch.distributed`` and the standalone
-quant raises, saying so.
+(``env.interpreter_problem``): then importing tpcomm warns (a ``RuntimeWarning`` naming the fix),
+communicators fall back to ``torch.distributed`` and the standalone quant raises, saying so.
 """
 
 import os as _os
@@ -18,7 +18,14 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
     _os.environ["TRITON_INTERPRET"] = "1"
     # Too late for Triton's own @jit library if Triton is already imported: say so at the first kernel call
     _env.TRITON_IMPORTED_FIRST = "triton" in _sys.modules
+    if _env.TRITON_IMPORTED_FIRST:
+        import warnings as _warnings
 
+        # the results stay exact (every call falls back to torch.distributed), but only repr(comm) would say so
+        _warnings.warn(f"tpcomm: {_env.interpreter_problem()}; until then every Communicator falls back to "
+                       "torch.distributed and the standalone quantisers raise", RuntimeWarning, stacklevel=2)
+
+from .collectives.moe_finalize import moe_finalize, moe_finalize_reference  # noqa: E402
 from .communicator import Communicator  # noqa: E402
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
 from .quant import (  # noqa: E402
@@ -40,6 +47,7 @@ from .reference import (  # noqa: E402
 
 __all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError",
            "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
+__all__ += ["moe_finalize", "moe_finalize_reference"]
 __all__ += ["mxfp4_quant", "nvfp4_quant", "pack_ue8m0_scales", "per_group_quant_fp8", "per_token_quant_fp8",
             "static_quant_fp8", "per_group_quant_reference", "per_token_quant_reference"]
 from .graphs import GraphCaptureError  # noqa: E402  (tpcomm.ops, the custom ops, is imported on demand)

@@ -34,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
     d.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")
-    d.add_argument("--quick", action="store_true", help="a smaller sweep")
-    d.add_argument("--model", choices=("llama", "gemma"), default=None,
-                   help="instead: a Hugging Face Llama (or Gemma 3) of seeded random weights, sharded over tpcomm, "
-                        "greedy decoding against the unsharded model (needs the hf extra; on a machine with one GPU "
-                        "the ranks are loopback ranks of that GPU)")
+    d.add_argument("--quick", action="store_true", help="a smaller sweep (without --model)")
+    d.add_argument("--model", choices=("llama", "gemma", "minimax_m2"), default=None,
+                   help="instead: a Hugging Face Llama (or Gemma 3, MiniMax-M2) of seeded random weights, sharded "
+                        "over tpcomm, greedy decoding against the unsharded model (needs the hf extra; on a "
+                        "machine with one GPU the ranks are loopback ranks of that GPU)")
     d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="with --model: one dtype (default both)")
     d.add_argument("--steps", type=positive_int, default=None,
@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "demo":
         if args.model:
+            if args.quick:
+                print("tpcomm demo: --quick applies without --model only; a shorter model demo: --dtype float32 "
+                      "--steps 2", file=sys.stderr)
+                return 2
             from .models import demo as model_demo
 
             return model_demo.main(args.model, device=args.device, world_size=args.world, dtype=args.dtype,
@@ -284,7 +288,7 @@ def check(plan_world: int | None = None) -> int:
                 plan = dispatch.choose(op, world, nbytes, hidden if op not in ("all_reduce", "all_gather") else
                                        min(tokens * hidden, dispatch.ALL_REDUCE_ROW), torch.bfloat16,
                                        forced=cfg.algo, kernels_available=kernels, table=table)
-                line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {plan.reason} "
+                line(f"{op} {tokens}x{hidden}", f"{plan.algorithm}: {topology.cite(plan.reason)} "
                                                 f"(world {world}, bf16)")
     print("\n".join(out))
     return status

@@ -24,7 +24,7 @@ import torch
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: Largest message (bytes per rank) sent with the Lamport kernel, and the size of its buffers.
-#: Source: 2 H200s, hidden 6144 bf16, CUDA graph (docs/history/benchmarks-to-2026-12-02.md, "Lamport against one-shot").
+#: Source: 2 H200s, hidden 6144 bf16, CUDA graph (docs/design.md, "Crossover defaults").
 LAMPORT_MAX_BYTES = 4 << 20
 
 #: Algorithms ``TPCOMM_ALGO`` may force for the all-reduce and the fused op.

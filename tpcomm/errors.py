@@ -7,6 +7,14 @@ class TpcommError(RuntimeError):
     """Base class of tpcomm's run-time errors."""
 
 
+def _rebuild(cls, args, state):
+    """Unpickle a :class:`PeerTimeoutError` (or subclass) without calling its ``__init__``."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class PeerTimeoutError(TpcommError):
     """A kernel waited longer than the timeout for a peer's data or flag.
 
@@ -26,6 +34,11 @@ class PeerTimeoutError(TpcommError):
     def __init__(self, op: str, rank: int, peer: int, epoch: int, program: int, timeout_s: float):
         self.op, self.rank, self.peer, self.epoch, self.program = op, rank, peer, epoch, program
         super().__init__(self._message(timeout_s))
+
+    def __reduce__(self):
+        # pickled as it is (message included), so that a rank can return the error it caught to the
+        # process that started it (tpcomm.launch.launch)
+        return _rebuild, (type(self), self.args, self.__dict__)
 
     def _message(self, timeout_s: float) -> str:
         return (f"{self.op}: rank {self.rank} waited more than {timeout_s:g} s for rank {self.peer} at epoch "

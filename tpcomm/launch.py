@@ -12,13 +12,14 @@ import queue
 import socket
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
-#: Variables set for every rank on GPU machines (never use NVLink multicast,
-#: docs/history/benchmarks-to-2026-12-02.md).
+#: Variables set for every rank on GPU machines: NVLink multicast stays off (tpcomm does not use it, and
+#: the GPU runs behind the published numbers had it off).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -131,8 +132,47 @@ def _worker(rank, world_size, device, port, fn, args, results):
             dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of a :func:`launch` ended.
+
+    Attributes:
+        rank: the rank.
+        status: ``"returned"`` (``fn`` returned ``value``), ``"raised"`` (``error`` holds the
+            traceback), ``"died"`` (the process ended without reporting: killed, crashed, ``os._exit``)
+            or ``"killed"`` (still running at ``timeout_s``, then killed).
+        value: what ``fn`` returned (``"returned"`` only), e.g. a ``PeerTimeoutError`` the rank caught.
+        error: the traceback (``"raised"``), or how the process ended (``"died"``, ``"killed"``).
+    """
+
+    rank: int
+    status: str
+    value: Any = None
+    error: str | None = None
+
+    def describe(self, limit: int = 2000) -> str:
+        """One block of :class:`RankFailure`'s message."""
+        if self.status == "returned":
+            text = repr(self.value)
+            if len(text) > limit:
+                text = text[:limit] + " ..."
+            return f"rank {self.rank} returned: {text}"
+        if self.status == "raised":
+            return f"rank {self.rank} raised:\n{self.error}"
+        return f"rank {self.rank} did not finish: {self.error}"
+
+
 class RankFailure(RuntimeError):
-    """A rank raised, crashed or did not finish in time; the message holds each rank's traceback."""
+    """A rank raised, crashed or did not finish in time.
+
+    The message gives every rank's outcome, the ranks that completed included (what they returned, e.g.
+    the ``PeerTimeoutError`` a survivor caught after its peer died); ``outcomes`` holds them as
+    :class:`RankOutcome` objects, in rank order.
+    """
+
+    def __init__(self, message: str, outcomes: list[RankOutcome] | None = None):
+        super().__init__(message)
+        self.outcomes = list(outcomes or [])
 
 
 def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, args: tuple = (),
@@ -154,7 +194,8 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
     Raises:
         TypeError: ``world_size`` is not an int, or ``args`` is not a tuple (or list).
         ValueError: ``world_size``, ``device`` or ``timeout_s`` is invalid.
-        RankFailure: a rank raised or crashed, or the ranks ran past ``timeout_s``.
+        RankFailure: a rank raised or crashed, or the ranks ran past ``timeout_s``; its message and its
+            ``outcomes`` give every rank's outcome, what the other ranks returned included.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
@@ -204,12 +245,25 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
                 ends[r] = f"still running after {timeout_s:g} s: killed"
             else:
                 ends[r] = f"exit code {p.exitcode}"
-    failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(out.items()) if not ok]
-    missing = [r for r in range(world_size) if r not in out]
-    if failures or missing:
-        msg = "\n".join(failures)
+    outcomes = [_outcome(r, out.get(r), ends[r]) for r in range(world_size)]
+    failed = [o for o in outcomes if o.status != "returned"]
+    if failed:
+        missing = [o.rank for o in failed if o.status in ("died", "killed")]
+        head = f"launch: {len(failed)} of {world_size} ranks failed"
         if missing:
-            msg += f"\nranks {missing} did not finish (crashed or ran past {timeout_s:g} s): " + \
-                "; ".join(f"rank {r} {ends[r]}" for r in missing)
-        raise RankFailure(msg)
-    return [pickle.loads(out[r][1]) for r in range(world_size)]
+            head += f"; ranks {missing} did not finish (crashed or ran past {timeout_s:g} s)"
+        raise RankFailure(head + "; every rank's outcome:\n" + "\n".join(o.describe() for o in outcomes), outcomes)
+    return [o.value for o in outcomes]
+
+
+def _outcome(rank: int, reported: tuple[bool, Any] | None, end: str) -> RankOutcome:
+    """The :class:`RankOutcome` of a rank from what it reported (None: nothing) and how its process ended."""
+    if reported is None:
+        return RankOutcome(rank, "killed" if end.startswith("still running") else "died", error=end)
+    ok, value = reported
+    if not ok:
+        return RankOutcome(rank, "raised", error=value)
+    try:
+        return RankOutcome(rank, "returned", value=pickle.loads(value))
+    except Exception as e:  # a value pickle can write but not read back (an __init__ taking other arguments)
+        return RankOutcome(rank, "raised", error=f"its return value could not be unpickled: {e!r}")

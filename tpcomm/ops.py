@@ -18,6 +18,7 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
                                               out?, scale?, swizzled_scales) -> ()
         # out given: emit_unquantized; scales None with fp8_static
     torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
+    torch.ops.tpcomm.fused_qk_rmsnorm(handle, q, k, q_weight, k_weight, eps) -> Tensor[]  # [q_out, k_out]
     torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
 
 Each op runs the :class:`~tpcomm.Communicator` method it is named after; it has a fake (meta)
@@ -287,6 +288,20 @@ def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
     return None
 
 
+@torch.library.custom_op("tpcomm::fused_qk_rmsnorm", mutates_args=(),
+                         schema="(int handle, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps) "
+                                "-> Tensor[]")
+def _fused_qk_rmsnorm_op(handle, q, k, q_weight, k_weight, eps) -> list[torch.Tensor]:
+    comm = lookup(handle)  # the row strides go into the kernel's specialisation (packed QKV views)
+    capture.before_call(comm, _signature("fused_qk_rmsnorm", q, k, q_weight, k_weight) + (q.stride(), k.stride()))
+    return list(comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps))
+
+
+@_fused_qk_rmsnorm_op.register_fake
+def _(handle, q, k, q_weight, k_weight, eps):
+    return [q.new_empty(q.shape), k.new_empty(k.shape)]
+
+
 def _lookup_group(op: str, handle: int, rank: int, world_size: int):
     comm = lookup(handle)
     if (comm.rank, comm.world_size) != (rank, world_size):
@@ -532,3 +547,21 @@ def reduce_scatter(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """
     handle, rank, world_size = _group_of(comm)
     return torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size)
+
+
+def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps)`` through the op ``tpcomm::fused_qk_rmsnorm``:
+    RMSNorm of this rank's ``q`` ``(T, Nq / W)`` and ``k`` ``(T, Nk / W)`` columns over their full width,
+    the method's bits; new contiguous outputs.
+
+    Collective: every rank calls it with the same ``T``, widths, dtype and ``eps``.
+
+    Raises:
+        As :meth:`tpcomm.Communicator.fused_qk_rmsnorm`; ``LookupError`` for an unknown handle.
+    """
+    q_out, k_out = torch.ops.tpcomm.fused_qk_rmsnorm(handle_of(comm), q, k, q_weight, k_weight, eps)
+    return q_out, k_out
+
+# The MoE finalize ops (tpcomm::moe_finalize, tpcomm::fused_moe_finalize_add_rmsnorm) and their wrappers.
+from .ops_moe import fused_moe_finalize_add_rmsnorm, moe_finalize  # noqa: E402,F401

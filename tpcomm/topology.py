@@ -283,6 +283,18 @@ def communicator_outcome(topo: Topology, device: str, world_size: int, settings_
     return f"fallback to torch.distributed on every rank: {avail[0][2]}"
 
 
+#: What ``tpcomm check`` cites for the built-in dispatch table's thresholds: the manual's page, where the
+#: measurements behind each threshold are given (the table's own sources name the runs).
+DEFAULTS_PAGE = 'docs/tuning.md, "Where the defaults came from"'
+
+
+def cite(reason: str) -> str:
+    """``reason`` (a plan's) with a citation of a run's log file replaced by the manual's page."""
+    import re
+
+    return re.sub(r"docs/(?:data|history)/[^\s),;]+", DEFAULTS_PAGE, reason)
+
+
 def report_lines(topo: Topology, device: str, world_size: int, settings_valid: bool = True) -> list[str]:
     """Lines for ``tpcomm check``: the GPUs (visible and nvidia-smi indices), peer access and link of
     every pair, the algorithms available and why not, and what a Communicator would do

@@ -470,3 +470,36 @@ def test_fail_close_create_cycles_leak_nothing():
     torch.cuda.synchronize()
     after = (torch.cuda.memory_allocated(), len(os.listdir("/proc/self/fd")))
     assert after[0] <= before[0] and after[1] <= before[1], f"(allocated bytes, open fds) {before} -> {after}"
+
+
+def test_a_rank_may_make_two_calls_before_its_peer_makes_the_first(monkeypatch, tmp_path):
+    """With an empty kernel cache, each rank makes a fused call and then an all-reduce of another size
+    (another kernel to load) in one ``run_ranks`` function: rank 0's second call loads its module while
+    its first kernel waits for rank 1, which ``run_ranks`` still issues (a host thread per rank), so both
+    calls complete on both ranks with the reference's bits, well inside the timeout."""
+    import time
+
+    from tpcomm import reference as R
+    from tpcomm.loopback import close_group, loopback_group, run_ranks
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ranks = loopback_group(2, max_bytes=1 << 20, timeout_s=10.0)
+    try:
+        xs, res, w = _inputs(2, 3, 1736, torch.bfloat16, seed=11)  # an H no other test compiles
+        ys = [torch.randn(5, 904, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        o_ref, ro_ref = R.add_rmsnorm_reference(R.reduce_in_rank_order(xs), res, w, 1e-6)
+        s_ref = R.reduce_in_rank_order(ys)
+
+        def two_calls(rank):
+            fused = rank.fused_add_rmsnorm(xs[rank.rank], res, w, 1e-6)
+            return fused, rank.all_reduce(ys[rank.rank])
+        start = time.monotonic()
+        got = run_ranks(ranks, two_calls)
+        torch.cuda.synchronize()
+        assert time.monotonic() - start < 9.0, "the calls waited for the timeout"
+        for r, ((out, res_out), s) in enumerate(got):
+            assert _same(out, o_ref) and _same(res_out, ro_ref) and _same(s, s_ref), f"rank {r}"
+        for rank in ranks:
+            rank.check()
+    finally:
+        close_group(ranks)

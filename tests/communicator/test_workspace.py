@@ -49,7 +49,7 @@ def test_no_shm_files_after_a_rank_dies(tmp_path, how):
     check.that(left == [], f"left in /dev/shm: {left}")
     msg = str(info.value)
     if how == "exit":
-        check.that("[1]" in msg and "did not finish" in msg and "rank 1 exit code" in msg,
+        check.that("[1]" in msg and "did not finish" in msg and "rank 1 did not finish: exit code" in msg,
                    f"RankFailure does not say rank 1 vanished, with its exit code: {msg}")
     else:
         check.that("rank 1" in msg and "fails on purpose" in msg, f"RankFailure lacks rank 1's error: {msg}")

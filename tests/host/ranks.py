@@ -78,3 +78,19 @@ def descriptors_after_dropped_communicators(ctx, n: int) -> tuple[int, int]:
         comm.all_reduce(torch.ones(8))
         del comm
     return before, count()
+
+
+def launch_die_or_catch(rank, world_size, timeout_s):
+    """The last rank exits (``os._exit(3)``) after the communicator's set-up; every other rank's
+    all-reduce then raises ``PeerTimeoutError``, which it catches and returns."""
+    comm = tpcomm.Communicator(timeout_s=timeout_s)
+    dist.barrier()
+    if rank == world_size - 1:
+        os._exit(3)
+    try:
+        comm.all_reduce(torch.ones(4, 16, dtype=torch.bfloat16))
+    except tpcomm.PeerTimeoutError as e:
+        return e
+    finally:
+        comm.close()
+    return "no error"

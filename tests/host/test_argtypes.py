@@ -126,3 +126,27 @@ def test_loopback_group_checks_its_arguments_before_looking_for_a_gpu(kwargs, er
     args = dict(world_size=2) | kwargs
     with pytest.raises(error):
         loopback_group(**args)
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_demo_refuses_quick_with_model(model, capsys):
+    """``--quick`` shortens the op sweep only; with ``--model`` it is a usage error, not ignored."""
+    from tpcomm.cli import main
+
+    assert main(["demo", "--model", model, "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "--quick applies without --model only" in err and "--steps" in err, err
+
+
+def test_version_matches_the_changelog_and_the_package_metadata():
+    """``tpcomm --version``, the changelog's latest release and pyproject's version are one number."""
+    import re
+    from pathlib import Path
+
+    from tpcomm import __version__
+
+    root = Path(__file__).resolve().parents[2]
+    releases = re.findall(r"^## \[?(\d+\.\d+\.\d+)\]?", (root / "docs" / "changelog.md").read_text(), re.M)
+    assert releases and releases[0] == __version__, f"changelog's latest release {releases[:1]}, tpcomm {__version__}"
+    project = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
+    assert project and project.group(1) == __version__, f"pyproject says {project and project.group(1)}"

@@ -1,8 +1,8 @@
 """Triton imported before tpcomm on a machine without CUDA: tpcomm can no longer turn the interpreter on
 for Triton's own library, so kernels would fail with Triton's "Cannot call @triton.jit'd outside of the
-scope of a kernel". Instead the standalone quant raises a RuntimeError saying what to do, and a
-Communicator falls back to torch.distributed (exact results) with that reason. Each case runs in a fresh
-Python without ``TRITON_INTERPRET`` set."""
+scope of a kernel". Instead importing tpcomm warns, naming the fix, the standalone quant raises a
+RuntimeError saying what to do, and a Communicator falls back to torch.distributed (exact results) with
+that reason. Each case runs in a fresh Python without ``TRITON_INTERPRET`` set."""
 
 import os
 import subprocess
@@ -56,6 +56,19 @@ def test_standalone_quant_says_to_import_tpcomm_first(tmp_path):
     proc = _run(tmp_path, QUANT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RAISED per_token_quant_fp8: Triton was imported before tpcomm" in proc.stdout, proc.stdout
+
+
+def test_importing_tpcomm_after_triton_warns_with_the_fix(tmp_path):
+    proc = _run(tmp_path, "import triton, tpcomm\nimport tpcomm\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [ln for ln in proc.stderr.splitlines() if "RuntimeWarning: tpcomm: Triton was imported before" in ln]
+    assert len(warned) == 1, proc.stderr  # once, at the first import
+    assert "import tpcomm first" in warned[0] and "TRITON_INTERPRET=1" in warned[0], warned[0]
+
+
+def test_importing_tpcomm_first_does_not_warn(tmp_path):
+    proc = _run(tmp_path, "import tpcomm, triton\n")
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_communicator_falls_back_with_the_reason(tmp_path):

@@ -58,6 +58,27 @@ def test_rank_that_raises_gives_rank_failure_with_traceback():
     assert "rank 1" in msg and "Traceback" in msg and "ValueError: boom-4321" in msg and "launch_raise_on" in msg, msg
 
 
+def test_a_dead_rank_and_what_the_survivors_returned_are_both_reported():
+    """One rank exits after set-up; the others catch the PeerTimeoutError their next call raises and
+    return it. RankFailure names the dead rank and gives what every survivor returned, in its message
+    and in ``outcomes``."""
+    from tpcomm import PeerTimeoutError
+
+    with pytest.raises(RankFailure) as info:
+        launch(ranks.launch_die_or_catch, 3, "cpu", args=(1.0,), timeout_s=120)
+    msg, outcomes = str(info.value), info.value.outcomes
+    check = Checks()
+    check.that([o.status for o in outcomes] == ["returned", "returned", "died"],
+               f"statuses {[o.status for o in outcomes]}: {msg}")
+    check.that("rank 2 did not finish: exit code 3" in msg, f"the dead rank is not named with its exit code: {msg}")
+    for r in (0, 1):
+        value = outcomes[r].value
+        check.that(isinstance(value, PeerTimeoutError) and value.peer == 2 and value.rank == r,
+                   f"rank {r} returned {value!r}, expected a PeerTimeoutError naming rank 2")
+        check.that(f"rank {r} returned: PeerTimeoutError" in msg, f"rank {r}'s outcome missing from: {msg}")
+    check.done()
+
+
 def test_launch_timeout_kills_the_ranks():
     """Ranks that run past ``timeout_s`` are killed and reported, promptly."""
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """Resource hygiene on ``GPU_WORLD`` GPUs: 50 create/use/close cycles of a Communicator leave device memory in use,
 memory allocated by torch and open file descriptors where they were. Marked ``gpu``; run on the GPU
 machine: ``python -m pytest -q -m gpu tests/hygiene/test_gpu_hygiene.py``. Measured on 2 H200s:
-docs/data/gpu_hygiene_2xH200.log."""
+docs/reliability.md, "Resource hygiene"."""
 
 import pytest
 
@@ -44,7 +44,7 @@ def test_gpu_create_close_cycles_keep_device_memory_and_fds(cycles):
 
 @pytest.mark.xfail(strict=False, reason="on 2 H200s (torch 2.11) torch.cuda.memory_allocated grew by 1024 bytes "
                                         "per cycle (two 512-byte blocks per Communicator stayed allocated after "
-                                        "close; docs/data/gpu_hygiene_2xH200.log). Workspace.close now drops its "
+                                        "close; docs/reliability.md). Workspace.close now drops its "
                                         "device tables and state, which may be those blocks: not run on GPU since "
                                         "(make it strict, or remove the mark, once it has)")
 def test_gpu_create_close_cycles_keep_memory_allocated_flat(cycles):

@@ -28,7 +28,7 @@ def test_every_kernel_compiles_for_sm90():
 def _check_fp8_store_layout(out: str):
     """The per-token FP8 variant of every fused kernel has no more layout conversions than the variant
     without FP8: its byte store takes the layout of the 16-bit tile (``kernels/quant.store_fp8``; without
-    that, Triton moved the tiles through shared memory, docs/history/benchmarks-to-2026-12-02.md, "Decode kernels")."""
+    that, Triton moved the tiles through shared memory, docs/design.md, "FP8 stores in the source's layout")."""
     conversions = {}
     for line in out.splitlines():
         words = line.split()

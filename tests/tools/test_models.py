@@ -1,5 +1,6 @@
-"""Hugging Face ``transformers`` models sharded over tpcomm (``tpcomm.models``) on CPU ranks: Llama and
-Gemma 3 (the ``(1 + w)`` norm), 2 and 3 ranks. Skipped without ``transformers`` (the ``hf`` extra)."""
+"""Hugging Face ``transformers`` models sharded over tpcomm (``tpcomm.models``) on CPU ranks: Llama,
+Gemma 3 (the ``(1 + w)`` norm) and MiniMax-M2 (the full-width QK norm), 2 and 3 ranks. Skipped without
+``transformers`` (the ``hf`` extra)."""
 
 import pytest
 
@@ -9,8 +10,7 @@ from tests.support.numerics import Checks  # noqa: E402
 from tests.tools import ranks  # noqa: E402
 
 
-@pytest.mark.parametrize("model", ["llama", "gemma"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("model,world", [("llama", 2), ("llama", 3), ("gemma", 2), ("gemma", 3), ("minimax_m2", 2)])
 def test_sharded_decoding_equals_the_unsharded_model(pools, model, world):
     """Prefill and greedy decode steps with the KV cache: float32 tokens equal the unsharded model's,
     logits within float32 rounding of the reordered sums, and the same tokens on every rank."""
@@ -30,7 +30,7 @@ def test_bf16_tokens_are_the_same_on_every_rank(pool2, model):
         assert res["same_on_ranks"] and res["kernels"], f"rank {r}: {res}"
 
 
-@pytest.mark.parametrize("model", ["llama", "gemma"])
+@pytest.mark.parametrize("model", ["llama", "gemma", "minimax_m2"])
 def test_one_forward_pass_matches_and_leaves_the_model_whole(pool2, model):
     for r, res in enumerate(pool2.run(ranks.prefill_logits_case, model)):
         assert res["error"] <= 1e-4 * max(1.0, res["scale"]), f"rank {r}: {res}"

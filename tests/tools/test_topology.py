@@ -193,12 +193,11 @@ def test_tpcomm_check_reports_an_invalid_setting(capsys, monkeypatch):
 
 
 def test_parse_the_captured_h200_matrix():
-    """The real output of 2 H200s (docs/data/topo_2xH200.txt: ``nvidia-smi topo -m``, then ``---`` and the
-    ``--query-gpu`` lines), as captured on 2 H200s."""
+    """The real output of 2 H200s (tests/tools/data/topo_2xH200.txt: ``nvidia-smi topo -m``, then ``---``
+    and the ``--query-gpu`` lines), as captured on 2 H200s."""
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "data",
-                        "topo_2xH200.txt")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "topo_2xH200.txt")
     matrix, query = open(path).read().split("\n---\n")
     assert topology.parse_topo_matrix(matrix) == {(0, 1): "NV18", (1, 0): "NV18"}
     rows = topology.parse_gpu_query(query)
@@ -206,3 +205,18 @@ def test_parse_the_captured_h200_matrix():
     # CUDA_VISIBLE_DEVICES=1,0 as CUDA reports the GPUs (UUID without GPU-, bus id from the properties)
     visible = [{"uuid": rows[1]["uuid"][4:], "bus_id": None}, {"uuid": None, "bus_id": "0000:00:06"}]
     assert topology.map_visible_to_physical(visible, rows, "1,0") == [1, 0]
+
+
+def test_check_cites_the_manual_not_run_logs(capsys):
+    """Every plan ``tpcomm check`` prints cites a page of the manual for the default thresholds, never a
+    run's log file."""
+    from tpcomm.cli import check
+
+    check(2)
+    out = capsys.readouterr().out
+    plans = [ln for ln in out.splitlines() if "x4096 " in ln]
+    assert plans, out
+    assert "docs/data" not in out and "docs/history" not in out, out
+    assert any('docs/tuning.md, "Where the defaults came from"' in ln for ln in plans), plans
+    assert topology.cite("x (2xH200 tpcomm tune, docs/data/run-1/tune.log)") == \
+        f"x (2xH200 tpcomm tune, {topology.DEFAULTS_PAGE})"

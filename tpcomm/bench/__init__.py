@@ -8,7 +8,7 @@ with the fused FP8 output), the plain all-reduce, all-gather and reduce-scatter.
 vLLM custom all-reduce where FlashInfer is installed, plus reference rows: the torch epilogue alone and
 a peer copy (copy bandwidth).
 
-Method (docs/benchmarks.md): every contender is checked against the reference on fresh inputs before
+Method (docs/performance.md): every contender is checked against the reference on fresh inputs before
 it is timed (tpcomm bit for bit against the contract; a failing contender is reported and not timed; a
 failing tpcomm makes the run exit 1); calls run in CUDA graphs (graph mode) and from Python (eager
 mode); each replay starts on every rank at once; the slowest rank's time per replay, median over

@@ -2,7 +2,7 @@
 exits; no GPU needed).
 
 A model of the run, fitted to the per-phase seconds that every JSON holds (``phases_s``), from the
-2-H200 runs in ``docs/data/bench-quick-2xH200.*`` and ``docs/data/bench-h8192-2xH200.*``:
+2-H200 runs of ``tpcomm bench --quick`` and of a sweep at hidden 8192:
 
 * start-up (processes, imports, NCCL, the FlashInfer and symmetric-memory workspaces) and the plots;
 * tpcomm's Triton compilations, at the first call of each op, algorithm, hidden size and dtype (counted

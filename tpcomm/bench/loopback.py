@@ -45,7 +45,7 @@ FI_WORLDS = (2, 4, 8, 16)
 OPS = ("all_reduce", "fused", "fused_fp8")
 #: Seconds a child (one library at one hidden size) may take: tpcomm's compiles its kernels; FlashInfer's
 #: loads prebuilt modules and takes 10-20 s on one H200, so a longer one is stuck (its loopback at 4 ranks
-#: and hidden 8192 never ends: docs/benchmarks.md).
+#: and hidden 8192 never ends: docs/performance.md).
 CHILD_TIMEOUT_S = {"tpcomm": 300.0, "trtllm": 90.0}
 
 

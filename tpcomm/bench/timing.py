@@ -1,6 +1,6 @@
 """Timing on one rank: agreement between ranks, CUDA-graph capture, timed replays (GPU only).
 
-Method (docs/benchmarks.md):
+Method (docs/performance.md):
 
 * **Graph mode.** A contender's ``K`` calls (call ``k`` reads input set ``k``) are warmed up eagerly on a
   side stream, then captured in one CUDA graph. Before every replay the input sets are refilled

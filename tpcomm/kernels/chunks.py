@@ -32,11 +32,14 @@ def quant_fields(quant) -> tuple:
 
 def row_launches(algorithm: str, ws, world_size: int, x, out, residual, residual_out, weight, n_rows: int,
                  H: int, eps: float, norm: bool, gemma: bool, quant, sign: Callable[..., int],
-                 call: tuple = ()) -> Iterator[KernelCall]:
+                 call: tuple = (), moe=None) -> Iterator[KernelCall]:
     """The launches of ``algorithm`` (``lamport``, ``one_shot`` or ``two_shot``) over ``n_rows`` rows of
     ``H`` of the flat tensors (the all-reduce and the fused op). ``call``: the user's call beyond the
-    flat sizes (its shape), part of every signature."""
+    flat sizes (its shape), part of every signature. ``moe``: a :class:`~tpcomm.kernels.moe.MoeIn` whose
+    finalize makes this rank's rows in the one-shot and Lamport kernels (``x`` is then not read)."""
     if algorithm == "two_shot":
+        if moe is not None:
+            raise ValueError("row_launches: the MoE finalize prologue is one-shot's and Lamport's")
         yield from two_shot_launches(ws, world_size, x, out, residual, residual_out, weight, n_rows, H, eps, norm,
                                      gemma, quant, sign, call=call)
         return
@@ -59,7 +62,8 @@ def row_launches(algorithm: str, ws, world_size: int, x, out, residual, residual
         q = quant.shifted(r0, a) if quant is not None else None
         sig = sign(algorithm, str(x.dtype), numel, r0, r1, H, norm, residual is not None, gemma, quant_fields(quant),
                    eps, call)
-        yield (lamport_call if use_lamport else one_shot_call)(*args, sig, quant=q)
+        yield (lamport_call if use_lamport else one_shot_call)(*args, sig, quant=q,
+                                                               moe=moe.shifted(r0) if moe is not None else None)
 
 
 def two_shot_launches(ws, world_size: int, x, out, residual, residual_out, weight, n_rows: int, H: int,

@@ -6,7 +6,7 @@ call of a ``@triton.jit`` device function inside the kernel (``InterpretedFuncti
 ``_patch_lang``, which walks the language modules with ``inspect.getmembers``), although the launch has
 patched those same modules already. tpcomm's kernels call device functions (the sync primitives, the
 epilogue, the quantisers) about a thousand times per launch, so that walk took about four tenths of a
-CPU rank's call (docs/benchmarks.md, "CPU ranks: time per call").
+CPU rank's call (docs/design.md, "The CPU path").
 
 Mechanism: :func:`install` wraps the interpreter's ``_patch_lang`` and its launcher
 (``GridExecutor.__call__``). During a launch, a device function whose language modules (``tl`` or

@@ -30,7 +30,7 @@ finishing call ``e + 1``, which needed this rank's call-``e + 1`` data, sent aft
 (and its re-arming) had completed in stream order.
 
 When it wins: small bf16/fp16 messages (decode); the crossover with ``one_shot.py`` is in
-``tpcomm/dispatch.py``, the measurements in ``docs/history/benchmarks-to-2026-12-02.md``. 32-bit
+``tpcomm/dispatch.py``, the measurements in ``docs/design.md``. 32-bit
 inputs use ``one_shot.py`` (the 16-bit sentinel has no 32-bit counterpart that no input can hold).
 """
 
@@ -47,6 +47,7 @@ from .epilogue import (
     round_to,
 )
 from .launch import KernelCall
+from .moe import finalize_kwargs, finalize_tile
 from .quant import widen
 from .spin import spin_vectors, tag_low, tag_value, words_to_elems
 from .sync import (
@@ -184,11 +185,13 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     in_scale_ptr, buf_table_ptr, state_ptr, err_ptr,
                     n_rows, H, numel, row_stride, slot_stride, parity_stride,
                     eps, timeout, rank, signature, tag_off, max_programs, abort_off,
+                    e_ptr, idx_ptr, tw_ptr, sh_ptr, K, n_expert_rows, scaling,
                     WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                     QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                     GROUP: tl.constexpr, PDL: tl.constexpr, VECTORS: tl.constexpr, REARM_IN_SPIN: tl.constexpr,
-                    PREFETCH: tl.constexpr, SPIN_PACK: tl.constexpr):
+                    PREFETCH: tl.constexpr, SPIN_PACK: tl.constexpr,
+                    FINALIZE: tl.constexpr, INDEXED: tl.constexpr, HAS_SHARED: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
@@ -197,7 +200,14 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     # Rows of one tile: the first row's input, loaded before the start atomic as well (it is pushed as
     # soon as the epoch is known, and is the wait's own term).
     ONE_TILE: tl.constexpr = NUM_TILES == 1
-    if ONE_TILE:
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    # With FINALIZE this rank's rows are made from its expert outputs (kernels/moe.py), never read from x;
+    # without the spin's own term (VECTORS), each is kept in this rank's own slot for the epilogue.
+    STAGED: tl.constexpr = FINALIZE and not VECTORS
+    if FINALIZE and ONE_TILE:
+        first = finalize_tile(e_ptr, idx_ptr, tw_ptr, sh_ptr, pid, pid < n_rows, K, n_expert_rows, scaling, H,
+                              offs, offs < H, INDEXED, HAS_SHARED, DTYPE)
+    elif ONE_TILE:
         first = tl.load(x_ptr + pid * H + offs, mask=(offs < H) & (pid * H + offs < numel), other=0.0)
     else:
         first = offs
@@ -214,10 +224,19 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            if ONE_TILE:
+            if FINALIZE and ONE_TILE:  # the first row was made before the start atomic
+                v = tl.where(row == pid, first, finalize_tile(e_ptr, idx_ptr, tw_ptr, sh_ptr, row, row != pid, K,
+                                                              n_expert_rows, scaling, H, cols, mask, INDEXED,
+                                                              HAS_SHARED, DTYPE))
+            elif FINALIZE:
+                v = finalize_tile(e_ptr, idx_ptr, tw_ptr, sh_ptr, row, row < n_rows, K, n_expert_rows, scaling, H,
+                                  cols, mask, INDEXED, HAS_SHARED, DTYPE)
+            elif ONE_TILE:
                 v = tl.where(row == pid, first, tl.load(x_ptr + row_start + cols, mask=mask & (cols * 0 + row != pid)))
             else:
                 v = tl.load(x_ptr + row_start + cols, mask=mask)
+            if STAGED:  # re-armed with the peers' tiles after the epilogue
+                tl.store(own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + dst_off + cols, v, mask=mask)
             bits = v.to(tl.int16, bitcast=True)
             bits = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
             for q in tl.static_range(WORLD):
@@ -277,7 +296,11 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
             s_pre = offs
         if row == pid:  # the first row's wait has ended: every peer's programs of this call have started
             release_next(PDL)
-        reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
+        if STAGED:
+            x_row = recv + rank * slot_stride + row * row_stride
+        else:
+            x_row = x_ptr + row_start
+        reduce_norm_row(x_row, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride, in_scale_ptr,
                         row_start, numel, H, eps, rank, res_pre, w_pre, (row == pid) | PREFETCH, s_pre,
@@ -286,7 +309,12 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         if VECTORS:  # the next row of this program: its own input and residual, before its wait
             nxt = row_start + num_programs * H
             nmask = (offs < H) & (nxt + offs < numel)
-            own = widen(tl.load(x_ptr + nxt + offs, mask=nmask, other=0.0))
+            if FINALIZE:
+                own = widen(finalize_tile(e_ptr, idx_ptr, tw_ptr, sh_ptr, row + num_programs,
+                                          row + num_programs < n_rows, K, n_expert_rows, scaling, H, offs,
+                                          offs < H, INDEXED, HAS_SHARED, DTYPE))
+            else:
+                own = widen(tl.load(x_ptr + nxt + offs, mask=nmask, other=0.0))
             if PREFETCH:
                 res_pre = tl.load(res_ptr + nxt + offs, mask=nmask, other=0.0)
         if not REARM_IN_SPIN:
@@ -298,12 +326,15 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
                     if q != rank:
                         tl.store(recv_bits + q * slot_stride + row * row_stride + cols,
                                  tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
+                if STAGED:
+                    tl.store(recv_bits + rank * slot_stride + row * row_stride + cols,
+                             tl.full([BLOCK_H], SENTINEL, tl.int16), mask=mask)
 
     finish_program(state_ptr, epoch, ticket, num_programs)
 
 
 def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-                 cfg, norm: bool, gemma: bool, signature: int, quant=None) -> KernelCall:
+                 cfg, norm: bool, gemma: bool, signature: int, quant=None, moe=None) -> KernelCall:
     """The launch of the Lamport kernel on rows ``[0, n_rows)``; arguments as :func:`one_shot.one_shot_call`.
 
     ``x`` must be bf16 or fp16 and ``n_rows`` rows must fit one Lamport slot
@@ -329,6 +360,6 @@ def lamport_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
         VECTORS=vectors, REARM_IN_SPIN=rearm_in_spin,
-        PREFETCH=vectors and has_res and norm, SPIN_PACK=spin_pack,
+        PREFETCH=vectors and has_res and norm, SPIN_PACK=spin_pack, **finalize_kwargs(moe),
         num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
     ))

@@ -17,7 +17,7 @@ call ``e``, which needed this rank's call-``e`` data, sent after this rank's cal
 completed (stream order). A program waits only for the same program index on its peers.
 
 When it wins: small messages (decode), where one flag round trip beats any multi-step algorithm; the
-crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/history/benchmarks-to-2026-12-02.md``.
+crossover table is in ``tpcomm/dispatch.py`` and the measurements in ``docs/design.md``.
 """
 
 import triton
@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .epilogue import NO_QUANT, SUM_REDUCE, no_quant_args, preload_row, reduce_norm_row
 from .launch import KernelCall
+from .moe import finalize_kwargs, finalize_tile
 from .sync import (
     base_ptr,
     check_abort,
@@ -44,10 +45,12 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                      in_scale_ptr, buf_table_ptr, flag_table_ptr, state_ptr, err_ptr,
                      n_rows, H, numel, row_stride, slot_stride, parity_stride, pad_programs,
                      eps, timeout, rank, signature, abort_off,
+                     e_ptr, idx_ptr, tw_ptr, sh_ptr, K, n_expert_rows, scaling,
                      WORLD: tl.constexpr, BLOCK_H: tl.constexpr, NUM_TILES: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                      QUANT: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                     GROUP: tl.constexpr, PDL: tl.constexpr):
+                     GROUP: tl.constexpr, PDL: tl.constexpr,
+                     FINALIZE: tl.constexpr, INDEXED: tl.constexpr, HAS_SHARED: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     bases = table_bases(buf_table_ptr, WORLD)  # before the start atomic: their latencies overlap
@@ -67,7 +70,12 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
         for t in tl.static_range(NUM_TILES):
             cols = t * BLOCK_H + offs
             mask = (cols < H) & (row_start + cols < numel)
-            v = tl.load(x_ptr + row_start + cols, mask=mask)
+            if FINALIZE:  # this rank's row is made here (kernels/moe.py) and kept in its own slot for step 3
+                v = finalize_tile(e_ptr, idx_ptr, tw_ptr, sh_ptr, row, row < n_rows, K, n_expert_rows, scaling, H,
+                                  cols, mask, INDEXED, HAS_SHARED, DTYPE)
+                tl.store(own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + dst_off + cols, v, mask=mask)
+            else:
+                v = tl.load(x_ptr + row_start + cols, mask=mask)
             for q in tl.static_range(WORLD):
                 if q != rank:
                     dst = base_ptr(bases, buf_table_ptr, q, DTYPE, WORLD)
@@ -90,7 +98,11 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     recv = own_ptr(bases, buf_table_ptr, rank, DTYPE, WORLD) + par * parity_stride
     for row in range(pid, n_rows, num_programs):
         row_start = row * H
-        reduce_norm_row(x_ptr + row_start, recv + row * row_stride, slot_stride,
+        if FINALIZE:
+            x_row = recv + rank * slot_stride + row * row_stride
+        else:
+            x_row = x_ptr + row_start
+        reduce_norm_row(x_row, recv + row * row_stride, slot_stride,
                         res_ptr + row_start, res_out_ptr + row_start, w_ptr, out_ptr + row_start,
                         q_ptr + row_start, s_ptr + row * s_row_stride, s_group_stride, in_scale_ptr,
                         row_start, numel, H, eps, rank, res_pre, w_pre, row == pid, offs,
@@ -101,7 +113,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
 
 
 def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: int, eps: float,
-                  cfg, norm: bool, gemma: bool, signature: int, quant=None) -> KernelCall:
+                  cfg, norm: bool, gemma: bool, signature: int, quant=None, moe=None) -> KernelCall:
     """The launch of the one-shot kernel on rows ``[0, n_rows)`` of the flat tensors.
 
     Args:
@@ -114,6 +126,8 @@ def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: in
         signature: the call's signature (:func:`tpcomm.kernels.sync.call_signature`), carried by the
             flags so a peer that makes a different call is detected.
         quant: :class:`~tpcomm.kernels.epilogue.QuantOut` of this launch's rows, or None (no FP8 output).
+        moe: :class:`~tpcomm.kernels.moe.MoeIn` of this launch's rows: this rank's rows are the MoE
+            finalize of it (``x`` then only gives the dtype and size, and is not read), or None.
     """
     has_res = residual is not None
     row_stride = ws.row_stride(H, x.element_size())
@@ -127,5 +141,5 @@ def one_shot_call(x, out, residual, residual_out, weight, ws, n_rows: int, H: in
     ), dict(
         WORLD=ws.world_size, BLOCK_H=cfg.block_h, NUM_TILES=cfg.num_tiles, NORM=norm,
         HAS_RESIDUAL=has_res, GEMMA=gemma, **(quant.constexprs() if quant else NO_QUANT),
-        num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
+        **finalize_kwargs(moe), num_warps=cfg.num_warps, enable_fp_fusion=False, **ws.launch_options(),
     ))

@@ -16,7 +16,7 @@ Past the deadline the thread stores this rank's abort word in the awaited peer a
 grace ends (``sync.grace_ns``). Each vector's words and a status come back: 0 arrived, 1
 timed out, 2 another call's tag (at once, whatever arrived). Each thread combines and records its own
 statuses after the loops, with no block-wide step (``lamport._spin_row``; timings:
-docs/history/benchmarks-to-2026-12-02.md, "Decode kernels").
+docs/design.md, "Decode synchronisation").
 With ``REARM``, the thread then stores the sentinel into the vector it read, inside the same asm: no
 other thread reads that vector (the caller guarantees one thread per vector: no replicated layout), so
 re-arming needs no barrier.

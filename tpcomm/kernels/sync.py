@@ -461,7 +461,7 @@ def take_ticket(state_ptr):
     state word at ``state_ptr``: the epoch a program uses and its ticket come from the same read, so
     the last starter sees every other program's read before its own, and every thread of the program
     gets the same value. The atomic's round trip overlaps the start of the program's work instead of
-    following its end (docs/history/benchmarks-to-2026-12-02.md, "Decode kernels"). Call it after
+    following its end (docs/design.md, "Decode synchronisation"). Call it after
     :func:`wait_previous`."""
     word = tl.atomic_add(state_ptr, 1 << 32, sem="relaxed", scope="sys")
     epoch = word.to(tl.int32)

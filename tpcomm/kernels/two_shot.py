@@ -39,7 +39,7 @@ rows of this launch), its second half the reduced rows of share ``q``; so a laun
 ``Workspace.share_rows_per_launch`` local rows per share, and larger messages run in chunks of local rows.
 
 When it wins: large messages; the crossover table is in ``tpcomm/dispatch.py``, the measurements in
-``docs/history/benchmarks-to-2026-12-02.md``.
+``docs/design.md``.
 """
 
 import triton

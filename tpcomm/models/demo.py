@@ -1,4 +1,4 @@
-"""``tpcomm demo --model llama|gemma``: a Hugging Face model of seeded random weights (no download) run
+"""``tpcomm demo --model llama|gemma|minimax_m2``: a Hugging Face model of seeded random weights (no download) run
 with tensor parallelism over tpcomm, against the same model unsharded in one process.
 
 Every rank builds the same model from a small config (``make_model``: a few layers, hidden 1024 on CPU
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 #: Model kinds of ``--model``.
-MODELS = ("llama", "gemma")
+MODELS = ("llama", "gemma", "minimax_m2")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,15 @@ def make_model(cfg: ModelDemoConfig):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_(0.5 * torch.randn_like(p))
+    elif cfg.model == "minimax_m2":  # 4 experts, 2 a token; half the rotary dims, as the real model
+        model = transformers.MiniMaxM2ForCausalLM(transformers.MiniMaxM2Config(
+            **{**common, "intermediate_size": cfg.intermediate // 2}, head_dim=cfg.hidden // cfg.heads,
+            num_local_experts=4, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}))
+        with torch.no_grad():  # the full-width q_norm and k_norm start at w = 1: give them weights to test
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.copy_(1 + 0.5 * torch.randn_like(p))
     else:
         raise ValueError(f"model must be one of {MODELS}, got {cfg.model!r}")
     dtype = getattr(torch, cfg.dtype)

@@ -58,7 +58,7 @@ def _check(model, world_size: int) -> tuple[str, int, int, int, int]:
     kind = getattr(cfg, "model_type", "")
     if kind not in LLAMA_LIKE + GEMMA_LIKE:
         raise ShardingError(f"shard: model_type {kind!r} is not one this module shards (Llama-like: "
-                            f"{', '.join(LLAMA_LIKE)}; Gemma-3-like: {', '.join(GEMMA_LIKE)})")
+                            f"{', '.join(LLAMA_LIKE)}; Gemma-3-like: {', '.join(GEMMA_LIKE)}; minimax_m2)")
     heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     inter = cfg.intermediate_size
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -145,7 +145,7 @@ def shard(model, comm):
 
     Args:
         model: a ``transformers`` causal LM of a type in ``LLAMA_LIKE`` or ``GEMMA_LIKE``, on
-            ``comm``'s device.
+            ``comm``'s device; a MiniMax-M2 goes to :func:`tpcomm.models.minimax_m2.shard`.
         comm: the tensor-parallel group's communicator (world size ``W``).
     Returns:
         The shard, in eval mode, parameters without gradients.
@@ -153,6 +153,10 @@ def shard(model, comm):
         ShardingError (a ValueError): the heads, key-value heads or intermediate size are not divisible
             by ``W``, a row-parallel projection has a bias, or the model is of another type or shape.
     """
+    if getattr(model.config, "model_type", "") == "minimax_m2":  # full-width QK norm: its own module
+        from .minimax_m2 import shard as shard_minimax_m2
+
+        return shard_minimax_m2(model, comm)
     W, r = comm.world_size, comm.rank
     kind, heads, kv_heads, inter, head_dim = _check(model, W)
     tp = copy.deepcopy(model).eval()

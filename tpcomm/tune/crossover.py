@@ -5,8 +5,8 @@ The rule (docs/tuning.md):
 * **Beating.** Algorithm ``a`` *beats* ``b`` at a size when it is faster by more than the margin:
   ``t_a < t_b - max(margin_us, margin_rel * t_b)``. Anything closer is a tie. The times are already
   robust statistics (the median over replays of the slowest rank); the margin keeps a difference of a
-  few tenths of a µs, which is run-to-run noise at decode sizes (docs/history/benchmarks-to-2026-12-02.md:
-  about ±1 µs between runs, less within one), from moving a threshold.
+  few tenths of a µs, which is run-to-run noise at decode sizes (about ±1 µs between runs on 2 H200s,
+  less within one), from moving a threshold.
 * **Ties go to the algorithm that owns that end of the range**, so noise where two curves lie on top of
   each other cannot split a range in two:
 * ``lamport_max_bytes``: walking up from the smallest size, Lamport is kept while no other algorithm
@@ -43,7 +43,7 @@ class Margin:
     Attributes:
         rel: relative part (default 2 %).
         abs_us: absolute part in µs (default 0.3 µs: the spread of a median at decode sizes is of this
-            order; docs/history/benchmarks-to-2026-12-02.md reports ±1 µs between whole runs).
+            order; whole runs on 2 H200s differed by about ±1 µs).
     """
 
     rel: float = 0.02

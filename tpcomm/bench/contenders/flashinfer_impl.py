@@ -1,5 +1,5 @@
 """FlashInfer (0.6.18.post1): TensorRT-LLM's all-reduce fusion kernels and its port of vLLM's custom
-all-reduce. Installed from wheels where there is no network (docs/benchmarks.md, "FlashInfer"); where
+all-reduce. Installed from wheels where there is no network (docs/flashinfer-offline.md); where
 ``import flashinfer.comm`` fails, these contenders are reported unavailable and the rest runs.
 
     fi_trtllm_oneshot / fi_trtllm_twoshot    flashinfer.comm.trtllm_allreduce_fusion(..., use_oneshot=...)

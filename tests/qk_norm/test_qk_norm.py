@@ -1,0 +1,225 @@
+"""``fused_qk_rmsnorm`` on CPU ranks: bits against the plain-torch reference of every rank's inputs (the same
+scale on every rank), the kernel against the fallback, the contract's distance from a float32 RMSNorm of
+the unsharded q and k, special values, packed QKV views and in-place outputs, interleaving with the
+Lamport all-reduce (the buffers left armed), bad inputs, a peer with another width or call, and the
+``torch.library`` op under ``torch.compile``. Rank bodies sit beside the tests that run them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.harness import new_communicator
+from tests.support.numerics import Checks, assert_same_bits, assert_same_values, assert_within_ulp, dtype_name, raised
+from tpcomm.kernels.qk_norm import fused_qk_rmsnorm_reference
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+EPS = 1e-6
+
+#: How far ``q_out`` may be from a float32 RMSNorm of the unsharded tensors (docs/numerics.md, "Full-width
+#: QK norm"): one ulp for 16-bit outputs (the two float32 results differ by a few float32 ulps, which one
+#: rounding to 16 bits turns into at most one); float32 outputs a few ulps (the mean's order, and the
+#: float32 reference's own rsqrt and products).
+ULP = {BF16: 1, FP16: 1, FP32: 4}
+
+
+def _case_inputs(seed: int, world: int, T: int, Hq: int, Hk: int, dtype, special: bool):
+    """Every rank's ``(q, k, q_weight, k_weight)``: normal values times ``2**j`` (``j`` in [-4, 4]); with
+    ``special``, row 0 all zero on every rank, row 1 huge on rank 0 (squares overflow float32), row 2 a
+    NaN on the last rank, row 3 tiny."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(rows, cols):
+        scale = torch.pow(2.0, torch.randint(-4, 5, (rows, cols), generator=g).double())
+        return (torch.randn(rows, cols, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    qs, ks = [draw(T, Hq) for _ in range(world)], [draw(T, Hk) for _ in range(world)]
+    if special and T >= 4:
+        for x in qs + ks:
+            x[0] = 0
+        qs[0][1, 0] = ks[0][1, 0] = 6e19 if dtype != FP16 else 6e4  # fp16: large, squares still finite
+        qs[-1][2, -1] = ks[-1][2, 0] = float("nan")
+        for x in qs + ks:
+            x[3] = x[3] * 2.0 ** -20 if dtype != FP16 else x[3]
+    wq = [(1 + 0.1 * torch.randn(Hq, generator=g)).to(dtype) for _ in range(world)]
+    wk = [(1 + 0.1 * torch.randn(Hk, generator=g)).to(FP32) for _ in range(world)]  # float32 weights too
+    return qs, ks, wq, wk
+
+
+def _float32_rmsnorm(xs, ws, eps):
+    """A plain float32 torch RMSNorm of the unsharded rows (``cat`` of every rank's columns), cut back into
+    every rank's columns."""
+    full = torch.cat(xs, dim=1).float()
+    y = (full * torch.rsqrt(full.pow(2).mean(-1, keepdim=True) + eps)) * torch.cat(ws).float()
+    return list(y.to(xs[0].dtype).split(xs[0].shape[1], dim=1))
+
+
+# -- rank bodies -------------------------------------------------------------------------------------------
+def cases_body(ctx, cases):
+    """Every case on this rank: the kernel's outputs, the fallback's, and, after the case, a bf16 Lamport
+    all-reduce checked against the rank-order sum (the qk calls left the Lamport buffers armed)."""
+    comm = ctx.comm()
+    W, r = ctx.world_size, ctx.rank
+    out = []
+    for seed, T, Hq, Hk, dtype, special in cases:
+        qs, ks, wq, wk = _case_inputs(seed, W, T, Hq, Hk, dtype, special)
+        kq, kk = comm.fused_qk_rmsnorm(qs[r], ks[r], wq[r], wk[r], EPS)
+        with comm.use_algorithm("fallback"):
+            fq, fk = comm.fused_qk_rmsnorm(qs[r], ks[r], wq[r], wk[r], EPS)
+        x = torch.full((3, 40), float(r + 1), dtype=BF16)
+        s = comm.all_reduce(x)
+        out.append((kq, kk, fq, fk, bool((s == W * (W + 1) / 2).all())))
+    return out
+
+
+def views_body(ctx, T, Hq, Hk, dtype):
+    """q and k as column views of one packed QKV tensor: new outputs, given column-view outputs of another
+    packed tensor, and in place (q_out=q, k_out=k); then the op through ``torch.compile``."""
+    import tpcomm.ops as tops
+
+    comm = ctx.comm()
+    W, r = ctx.world_size, ctx.rank
+    qs, ks, wq, wk = _case_inputs(7, W, T, Hq, Hk, dtype, False)
+    qkv = torch.cat([qs[r], ks[r], torch.ones(T, Hk, dtype=dtype)], dim=1)
+    q, k = qkv[:, :Hq], qkv[:, Hq:Hq + Hk]
+    new = comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS)
+    packed = torch.full((T, Hq + Hk + 5), 7.0, dtype=dtype)
+    given = comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS, q_out=packed[:, :Hq], k_out=packed[:, Hq:Hq + Hk])
+    untouched = bool((packed[:, Hq + Hk:] == 7).all())
+    comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS, q_out=q, k_out=k)
+    in_place = (q.clone(), k.clone(), bool((qkv[:, Hq + Hk:] == 1).all()))
+    compiled = torch.compile(lambda a, b: tops.fused_qk_rmsnorm(comm, a, b, wq[r], wk[r], EPS), fullgraph=True,
+                             backend="aot_eager")
+    return new, given, untouched, in_place, compiled(qs[r], ks[r])
+
+
+def bad_inputs_body(ctx):
+    """Local bad inputs: ``(type name, message)`` of each (every rank raises alike, nothing exchanged)."""
+    comm = ctx.comm()
+    q, k = torch.randn(4, 32, dtype=BF16), torch.randn(4, 16, dtype=BF16)
+    wq, wk = torch.ones(32, dtype=BF16), torch.ones(16, dtype=BF16)
+    calls = {
+        "q width vs q_weight": lambda: comm.fused_qk_rmsnorm(q, k, torch.ones(31, dtype=BF16), wk),
+        "k width vs k_weight": lambda: comm.fused_qk_rmsnorm(q, k, wq, torch.ones(32, dtype=BF16)),
+        "T of k": lambda: comm.fused_qk_rmsnorm(q, k[:3], wq, wk),
+        "weight dtype": lambda: comm.fused_qk_rmsnorm(q, k, wq.to(torch.float64), wk),
+        "k_weight fp16": lambda: comm.fused_qk_rmsnorm(q, k, wq, wk.half()),
+        "k dtype": lambda: comm.fused_qk_rmsnorm(q, k.float(), wq, wk),
+        "q 3-D": lambda: comm.fused_qk_rmsnorm(q.view(4, 2, 16), k, wq, wk),
+        "eps": lambda: comm.fused_qk_rmsnorm(q, k, wq, wk, -1.0),
+        "q_out shape": lambda: comm.fused_qk_rmsnorm(q, k, wq, wk, q_out=torch.empty(4, 16, dtype=BF16)),
+        "k_out in q": lambda: comm.fused_qk_rmsnorm(q, k, wq, wk, k_out=q[:, :16]),
+        "q_out strided": lambda: comm.fused_qk_rmsnorm(q, k, wq, wk, q_out=torch.empty(32, 4, dtype=BF16).t()),
+    }
+    return {name: raised(fn) for name, fn in calls.items()}
+
+
+def mismatch_body(ctx, how):
+    """A fresh communicator (the call breaks it): rank 0 normalises 32 q columns, rank 1 another width
+    (``width``), another call (``call``: a bf16 Lamport all-reduce), or the same width through the fallback
+    with another width (``fallback``). Returns the error's type name and message."""
+    comm = new_communicator(timeout_s=20)
+    try:
+        Hq = 32 if ctx.rank == 0 or how == "call" else 48
+        q, k = torch.randn(4, Hq, dtype=BF16), torch.randn(4, 16, dtype=BF16)
+        wq, wk = torch.ones(Hq, dtype=BF16), torch.ones(16, dtype=BF16)
+        if how == "call" and ctx.rank == 1:
+            return raised(lambda: comm.all_reduce(torch.ones(4, 64, dtype=BF16)))
+        if how == "fallback":
+            with comm.use_algorithm("fallback"):
+                return raised(lambda: comm.fused_qk_rmsnorm(q, k, wq, wk))
+        return raised(lambda: comm.fused_qk_rmsnorm(q, k, wq, wk))
+    finally:
+        comm.close()
+
+
+# -- tests -------------------------------------------------------------------------------------------------
+def _minimax(W):
+    """MiniMax-M2's widths on one rank: 48 query heads and 8 key-value heads of 128 (a world size that does
+    not divide 8 key-value heads takes one of them)."""
+    return 6144 // W, (1024 // W if 8 % W == 0 else 128)
+
+
+def _cases(W):
+    """(seed, T, Hq, Hk, dtype, special values): MiniMax-M2's widths and odd ones (1, 130, 2880, and two
+    tiles of 8192), T from 1 to 513, every dtype; a spread of them on each world size (the suite's CPU
+    time)."""
+    Hq, Hk = _minimax(W)
+    cases = [(1, 1, Hq, Hk, BF16, False), (2, 7, Hq, Hk, BF16, True), (3, 64, Hq, Hk, FP16, False),
+             (4, 513, Hq, Hk, BF16, False), (5, 2, Hq, Hk, FP32, False), (6, 7, 130, 1, FP32, True),
+             (7, 64, 1, 130, BF16, False), (8, 7, 2880, 130, FP16, True), (9, 2, 8200, 2880, BF16, False)]
+    keep = {2: (0, 1, 3, 5, 6, 7, 8), 3: (1, 2, 5, 7), 4: (0, 1, 4, 6)}[W]
+    return [cases[i] for i in keep]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bits_on_every_rank(pools, world):
+    """Each rank's q_out and k_out are the reference's bits (every rank's sums in rank order: the same
+    scale everywhere; NaN payloads aside, as docs/numerics.md), the fallback's bits, and within the
+    contract of a float32 RMSNorm of the unsharded tensors; a bf16 Lamport all-reduce after each case
+    is exact (the buffers were left armed)."""
+    cases = _cases(world)
+    results = pools.get(world).run(cases_body, cases, timeout_s=300)
+    check = Checks()
+    for i, (seed, T, Hq, Hk, dtype, special) in enumerate(cases):
+        qs, ks, wq, wk = _case_inputs(seed, world, T, Hq, Hk, dtype, special)
+        ref = fused_qk_rmsnorm_reference(qs, ks, wq, wk, EPS)
+        f32q, f32k = _float32_rmsnorm(qs, wq, EPS), _float32_rmsnorm(ks, wk, EPS)
+        what = f"w{world} T={T} Hq={Hq} Hk={Hk} {dtype_name(dtype)}{' special' if special else ''}"
+        for r, per_case in enumerate(results):
+            kq, kk, fq, fk, armed = per_case[i]
+            check(assert_same_values, kq, ref[r][0], f"{what} rank {r} q_out vs reference")
+            check(assert_same_values, kk, ref[r][1], f"{what} rank {r} k_out vs reference")
+            check(assert_same_values, fq, kq, f"{what} rank {r} q_out fallback vs kernel")
+            check(assert_same_values, fk, kk, f"{what} rank {r} k_out fallback vs kernel")
+            check(assert_within_ulp, kq, f32q[r], ULP[dtype], f"{what} rank {r} q_out vs float32 RMSNorm")
+            check(assert_within_ulp, kk, f32k[r], ULP[dtype], f"{what} rank {r} k_out vs float32 RMSNorm")
+            check.that(armed, f"{what} rank {r}: the Lamport all-reduce after the call is wrong")
+            if special:
+                check.that(bool((kq[0] == 0).all() and kq[2].isnan().all() and kk[2].isnan().all()),
+                           f"{what} rank {r}: a zero row gives zeros and a NaN anywhere in a row NaN everywhere")
+    check.done()
+
+
+def test_packed_views_in_place_and_compiled(pool2):
+    """Column views of a packed QKV tensor read in place; outputs into column views of another packed
+    tensor (its other columns untouched) and in place; the op under torch.compile(fullgraph): the same
+    bits as the reference."""
+    T, Hq, Hk, dtype = 5, 96, 32, BF16
+    results = pool2.run(views_body, T, Hq, Hk, dtype)
+    qs, ks, wq, wk = _case_inputs(7, 2, T, Hq, Hk, dtype, False)
+    ref = fused_qk_rmsnorm_reference(qs, ks, wq, wk, EPS)
+    check = Checks()
+    for r, (new, given, untouched, in_place, compiled) in enumerate(results):
+        for name, got in (("new", new), ("given", given), ("in place", in_place[:2]), ("compiled", compiled)):
+            check(assert_same_bits, got[0], ref[r][0], f"rank {r} {name} q_out")
+            check(assert_same_bits, got[1], ref[r][1], f"rank {r} {name} k_out")
+        check.that(untouched and in_place[2], f"rank {r}: columns beside the outputs were written")
+    check.done()
+
+
+def test_bad_inputs_are_named(pool2):
+    results = pool2.run(bad_inputs_body)
+    expected = {"q width vs q_weight": ("ValueError", "q_weight"), "k width vs k_weight": ("ValueError", "k_weight"),
+                "T of k": ("ValueError", "k has 3 rows"), "weight dtype": ("TypeError", "q_weight has dtype"),
+                "k_weight fp16": ("TypeError", "k_weight has dtype"), "k dtype": ("TypeError", "k has dtype"),
+                "q 3-D": ("ValueError", "q has shape"), "eps": ("ValueError", "eps"),
+                "q_out shape": ("ValueError", "q_out has shape"), "k_out in q": ("ValueError", "k_out shares memory"),
+                "q_out strided": ("ValueError", "column stride")}
+    check = Checks()
+    for r, got in enumerate(results):
+        for name, (kind, words) in expected.items():
+            check.that(got[name] is not None and got[name][0] == kind and words in got[name][1]
+                       and got[name][1].startswith("fused_qk_rmsnorm: "),
+                       f"rank {r} {name}: expected {kind} naming {words!r}, got {got[name]}")
+    check.done()
+
+
+@pytest.mark.parametrize("how", ["width", "call", "fallback"])
+def test_a_peer_with_another_width_or_call_is_named(pool2, how):
+    """Another width on one rank (kernel or fallback) or another call: PeerMismatchError on every rank,
+    never a hang or wrong values."""
+    results = pool2.run(mismatch_body, how, timeout_s=120)
+    for r, got in enumerate(results):
+        assert got is not None and got[0] == "PeerMismatchError", f"rank {r}: {got}"
+

@@ -1,0 +1,144 @@
+"""MiniMax-M2 (``transformers``' ``MiniMaxM2ForCausalLM``) with its attention sharded over a tpcomm
+communicator.
+
+MiniMax-M2's ``q_norm`` and ``k_norm`` are RMSNorms over the full width of the query and key projections
+(``num_heads * head_dim`` and ``num_kv_heads * head_dim``), not per head, so under tensor parallelism the
+mean of squares needs a sum over the ranks. :func:`shard`:
+
+* attention heads split over the ranks (``q_proj``, ``k_proj``, ``v_proj`` by output rows; ``q_norm`` and
+  ``k_norm`` weights by the same columns; ``o_proj`` by input columns), the two norms one
+  ``comm.fused_qk_rmsnorm`` (:func:`_attention_forward`);
+* ``o_proj``'s partial sums, the residual add and ``post_attention_layernorm`` one
+  ``comm.fused_add_rmsnorm`` (as :mod:`tpcomm.models.hf` does for Llama);
+* the MoE block replicated: every rank runs all of it on the whole normalised hidden state
+  (:func:`_moe`), so its output needs no sum. Sharding the experts is a change to :func:`_moe` and to
+  :func:`shard`'s expert weights alone.
+
+Embeddings, rotary embeddings, masks, the attention itself, the KV cache, the LM head and generation are
+the model's own code. Inference only; the original model is not modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+from torch import nn
+
+from .hf import ShardingError, _columns, _eps, _rows
+
+#: Model types this module shards.
+MINIMAX_LIKE = ("minimax_m2",)
+
+
+def _check(model, world_size: int) -> tuple[int, int, int]:
+    """``(heads, kv_heads, head_dim)``, or ShardingError for a model this module cannot shard."""
+    cfg = model.config
+    if getattr(cfg, "model_type", "") not in MINIMAX_LIKE:
+        raise ShardingError(f"shard: model_type {getattr(cfg, 'model_type', '')!r} is not MiniMax-M2")
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    bad = [f"{name} = {value}" for name, value in (("num_attention_heads", heads),
+                                                   ("num_key_value_heads", kv_heads)) if value % world_size]
+    if bad:
+        raise ShardingError(f"shard: {', '.join(bad)} not divisible by the world size {world_size}: attention "
+                            "heads are split evenly over the ranks")
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not isinstance(getattr(attn, name, None), nn.Linear):
+                raise ShardingError(f"shard: layer {i} has no self_attn.{name} Linear")
+        if attn.o_proj.bias is not None:
+            raise ShardingError(f"shard: layer {i}'s self_attn.o_proj has a bias: a row-parallel projection's "
+                                "bias would be added once per rank")
+    return heads, kv_heads, head_dim
+
+
+def _slice_norm(norm: nn.Module, start: int, stop: int) -> None:
+    norm.weight = nn.Parameter(norm.weight.detach()[start:stop].clone(), requires_grad=False)
+
+
+def _attention_forward(comm):
+    """``MiniMaxM2Attention.forward`` of a shard: ``transformers``' own steps, with ``q_norm`` and ``k_norm``
+    in one ``comm.fused_qk_rmsnorm`` over the full width. Returns ``(partial, weights)``: ``o_proj``'s
+    partial sum of this rank's heads."""
+    from transformers.models.minimax_m2 import modeling_minimax_m2 as mm
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None,
+                past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        q, k = comm.fused_qk_rmsnorm(q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), self.q_norm.weight,
+                                     self.k_norm.weight, eps=_eps(self.q_norm))
+        query = q.view(hidden_shape).transpose(1, 2)
+        key = k.view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = mm.apply_rotary_pos_emb(query, key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        attention = mm.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                             mm.eager_attention_forward)
+        out, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                                 **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+    return forward
+
+
+def _moe(mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """The MoE block, replicated: every rank runs every expert on the whole ``normed`` hidden state, so the
+    output is complete on every rank (no sum over the ranks)."""
+    return mlp(normed)
+
+
+def _layer_forward(comm):
+    """``MiniMaxM2DecoderLayer.forward`` of a shard: the attention's partial sum, the residual add and
+    ``post_attention_layernorm`` in one ``comm.fused_add_rmsnorm``, then the MoE block (:func:`_moe`)."""
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                position_ids=None, cache=None, past_key_values=None, **kwargs) -> torch.Tensor:
+        residual = hidden_states
+        partial, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                    position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                    position_ids=position_ids,
+                                    cache=cache if cache is not None else past_key_values, **kwargs)
+        post = self.post_attention_layernorm
+        normed, residual = comm.fused_add_rmsnorm(partial, residual, post.weight, eps=_eps(post))
+        return residual + _moe(self.mlp, normed)
+    return forward
+
+
+def shard(model, comm):
+    """This rank's shard of a ``MiniMaxM2ForCausalLM`` over ``comm`` (a :class:`tpcomm.Communicator`): a deep
+    copy with the attention heads split and ``q_norm`` / ``k_norm`` in ``comm.fused_qk_rmsnorm`` (the
+    module docstring says what else). Collective: run it on every rank with the same model (the same
+    weights) and use the shard like the original (``.generate(...)``).
+
+    Args:
+        model: a ``transformers`` ``MiniMaxM2ForCausalLM`` on ``comm``'s device.
+        comm: the tensor-parallel group's communicator (world size ``W``).
+    Returns:
+        The shard, in eval mode, parameters without gradients.
+    Raises:
+        ShardingError (a ValueError): the heads or key-value heads are not divisible by ``W``, ``o_proj``
+            has a bias, or the model is not MiniMax-M2.
+    """
+    W, r = comm.world_size, comm.rank
+    heads, kv_heads, head_dim = _check(model, W)
+    tp = copy.deepcopy(model).eval()
+    for p in tp.parameters():
+        p.requires_grad_(False)
+    q, kv = heads // W * head_dim, kv_heads // W * head_dim
+    for layer in tp.model.layers:
+        attn = layer.self_attn
+        _rows(attn.q_proj, r * q, (r + 1) * q)
+        _rows(attn.k_proj, r * kv, (r + 1) * kv)
+        _rows(attn.v_proj, r * kv, (r + 1) * kv)
+        _columns(attn.o_proj, r * q, (r + 1) * q)
+        _slice_norm(attn.q_norm, r * q, (r + 1) * q)
+        _slice_norm(attn.k_norm, r * kv, (r + 1) * kv)
+        attn.forward = types.MethodType(_attention_forward(comm), attn)
+        layer.forward = types.MethodType(_layer_forward(comm), layer)
+    return tp
