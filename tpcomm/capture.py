@@ -20,7 +20,7 @@ class GraphCaptureError(TpcommError):
     """A tpcomm call inside a CUDA-graph capture that cannot be captured safely (see :func:`capture_guard`)."""
 
 
-#: communicator -> signatures of the calls it ran outside a capture (see ``tpcomm.ops._signature``)
+#: communicator -> signatures of the calls it ran outside a capture (see ``tpcomm.ops.registry.signature``)
 _WARMED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
 _LOCAL = threading.local()
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import call_cache, dispatch
-from .collectives import all_gather, all_reduce, fused_norm, reduce_scatter
+from .collectives import all_gather, all_reduce, fused_norm, moe_finalize, qk_norm, reduce_scatter
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError
 from .kernels import chunks
 from .kernels.launch import direct_launch_supported
@@ -216,9 +216,7 @@ class Communicator(SetUp):
         per-token sums of squares summed over the ranks in rank order in float32, so every rank scales a
         token by the same bits. Plain torch: ``rms_norm(q_full, w_q, eps)[:, this rank's columns]``.
         Arguments, returns and raises: :func:`tpcomm.collectives.qk_norm.fused_qk_rmsnorm`."""
-        from .collectives.qk_norm import fused_qk_rmsnorm
-
-        return fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out)
+        return qk_norm.fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out)
 
     def fused_moe_finalize_add_rmsnorm(self, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                                        residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *,
@@ -226,45 +224,18 @@ class Communicator(SetUp):
                                        scaling: float = 1.0, gemma: bool = False, quant: str | None = None,
                                        **quant_and_outputs):
         """MoE finalize, all-reduce, residual add, RMSNorm: in one launch where the fused norm has one.
-
         Plain torch: ``x = tpcomm.moe_finalize(expert_out, topk_weights, index=index, shared_out=shared_out,
-        scaling=scaling)``, then ``self.fused_add_rmsnorm(x, residual, weight, eps, gemma, quant, ...)``;
-        the outputs are that composition's bits (docs/numerics.md, "MoE finalize"), the same on every rank
-        for every algorithm and number of tokens.
+        scaling=scaling)``, then ``self.fused_add_rmsnorm(x, residual, weight, eps, gemma, quant, ...)``,
+        whose bits it gives (docs/numerics.md, "MoE finalize"). Collective.
 
-        Collective: every rank calls it with the same shapes, K, layout, ``scaling``, ``eps`` and quant
-        arguments; a peer with another K, H, layout (``index`` or not), ``shared_out`` or not, or
-        ``scaling`` is a :class:`PeerMismatchError` (a timeout if it ran another algorithm).
-
-        Args:
-            expert_out: this rank's partial expert outputs: ``(T, K, H)`` in token order, or ``(M, H)`` in
-                the experts' permuted order with ``index``; bf16 / fp16 / fp32, this device.
-            topk_weights: ``(T, K)`` routing weights, float32 / bf16 / fp16 (the same on every rank).
-            residual: ``(T, H)`` of ``expert_out``'s dtype, or None.
-            weight, eps, gemma, quant: as :meth:`fused_add_rmsnorm`.
-            index: ``(T, K)`` int32 / int64, the row of ``expert_out`` of each slot (TensorRT-LLM's
-                ``expanded_idx_to_permuted_idx``). Out of ``[0, M)``: ValueError for CPU tensors; on CUDA
-                the slot adds nothing and nothing outside ``expert_out`` is read.
-            shared_out: ``(T, H)`` partial shared-expert output, ``expert_out``'s dtype, added after the
-                scaling.
-            scaling: the routed scaling factor (a finite Python float, used rounded to float32).
-            quant_and_outputs: ``fp8_dtype``, ``group_size``, ``column_major_scales``,
-                ``emit_unquantized``, ``scale``, ``swizzled_scales``, ``out``, ``residual_out``, ``q_out``,
-                ``scales_out``, as :meth:`fused_add_rmsnorm` (``(T, H)`` shapes).
-        Returns:
-            What :meth:`fused_add_rmsnorm` returns for ``x`` ``(T, H)``. Safe in CUDA graphs.
-        Raises:
-            TypeError, ValueError: a bad argument (named, with what was expected), nothing written:
-                :func:`tpcomm.collectives.moe_finalize.check_moe_inputs`, and the errors of
-                :meth:`fused_add_rmsnorm`.
-            PeerTimeoutError: a peer did not arrive within the timeout; :class:`PeerMismatchError` when
-                it made another call.
+        Args, Returns, Raises: :func:`tpcomm.collectives.moe_finalize.fused_moe_finalize_add_rmsnorm`
+        (``expert_out`` ``(T, K, H)``, or ``(M, H)`` with ``index`` ``(T, K)``; ``topk_weights`` ``(T,
+        K)``; ``quant_and_outputs``: the quant arguments and given outputs of :meth:`fused_add_rmsnorm`;
+        returns what :meth:`fused_add_rmsnorm` returns).
         """
-        from .collectives.moe_finalize import fused_moe_finalize_add_rmsnorm
-
-        return fused_moe_finalize_add_rmsnorm(self, expert_out, topk_weights, residual, weight, eps, index=index,
-                                              shared_out=shared_out, scaling=scaling, gemma=gemma, quant=quant,
-                                              **quant_and_outputs)
+        return moe_finalize.fused_moe_finalize_add_rmsnorm(
+            self, expert_out, topk_weights, residual, weight, eps, index=index, shared_out=shared_out,
+            scaling=scaling, gemma=gemma, quant=quant, **quant_and_outputs)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``, in rank order (``torch.cat`` of
@@ -351,14 +322,15 @@ class Communicator(SetUp):
                                   self.workspace)
 
     def _run_rows(self, op, plan, x, out, residual, residual_out, weight, n_rows, H, eps, norm, gemma,
-                  quant=None, call=(), record=None):
+                  quant=None, call=(), record=None, moe=None):
         """Launch ``plan`` over ``n_rows`` rows of ``H`` (:func:`tpcomm.kernels.chunks.row_launches`).
         ``call`` is what tells the user's call apart beyond the flat sizes (its shape; with ``dim`` for
         gathers and scatters): part of every launch's signature. ``record``: a list that receives each
-        launch (:meth:`_launch`)."""
+        launch (:meth:`_launch`). ``moe``: the MoE finalize that makes the rows in the kernels' prologue
+        (:attr:`tpcomm.dispatch.Plan.prologue`)."""
         self._run(op, chunks.row_launches(plan.algorithm, self.workspace, self.world_size, x, out, residual,
                                           residual_out, weight, n_rows, H, eps, norm, gemma, quant,
-                                          self._signer(op), call), record)
+                                          self._signer(op), call, moe=moe), record)
 
     def _run(self, op: str, launches, record=None) -> None:
         """Launch ``launches`` (KernelCalls) under :meth:`_launching`. A call of several launches (chunks)

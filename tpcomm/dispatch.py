@@ -238,9 +238,18 @@ class Plan:
         (for its dtype); two-shot stages its shares there."""
         return quantised_only and self.algorithm in OUT_FREE_ALGORITHMS
 
+    @property
+    def prologue(self) -> bool:
+        """Whether the row kernels of this plan make this rank's rows in their prologue, for the fused
+        MoE finalize (:mod:`tpcomm.kernels.moe`): one-shot and Lamport read each row of ``x`` once;
+        two-shot takes the finalize's output, made first by the standalone kernel."""
+        return self.algorithm in PROLOGUE_ALGORITHMS
+
 
 #: Algorithms whose fused kernels stage nothing in ``out`` (:meth:`Plan.skips_out`).
 OUT_FREE_ALGORITHMS = ("one_shot", "lamport")
+#: Algorithms whose row kernels take the MoE finalize as their prologue (:attr:`Plan.prologue`).
+PROLOGUE_ALGORITHMS = ("one_shot", "lamport")
 
 
 def check_plan_args(op, nbytes, hidden, dtype) -> None:

@@ -175,7 +175,9 @@ class FusedOutputs:
             ``scales`` None for static FP8, whose scales are its input), without the last two when
             unquantised: what a given output may not overlap, and what a repeat allocates.
         given: the outputs the caller passed, in the same order (None where not passed).
-        xc, rc, wc: ``x``, ``residual`` and ``weight`` as the kernels read them (contiguous).
+        xc, rc, wc: ``x``, ``residual`` and ``weight`` as the kernels read them (contiguous); ``xc`` None
+            where the caller names what the kernels read in its place (``reads``: the MoE finalize's
+            inputs).
     """
 
     out: torch.Tensor
@@ -184,16 +186,18 @@ class FusedOutputs:
     emit_unquantized: bool
     written: tuple
     given: tuple
-    xc: torch.Tensor
+    xc: torch.Tensor | None
     rc: torch.Tensor | None
     wc: torch.Tensor
 
     @staticmethod
-    def make(x, residual, weight, scale, plan, qout, emit_unquantized, out, residual_out, q_out,
-             scales_out) -> "FusedOutputs":
+    def make(x, residual, weight, scale, plan, qout, emit_unquantized, out, residual_out, q_out, scales_out,
+             op: str = OP, reads: dict | None = None) -> "FusedOutputs":
         """New ``out`` and ``residual_out`` where not given (none for an ``out`` the plan skips); raises
         ValueError when a given output shares bytes with an input or another output (``residual_out``
-        may be ``residual`` itself)."""
+        may be ``residual`` itself). ``x`` gives the outputs' shape, dtype and device. ``reads``: the
+        inputs the kernels read ahead of ``residual``, ``weight`` and ``scale``, by name, in place of
+        ``x`` (the MoE finalize's); ``op`` names the call in the message."""
         quantised_only = qout is not None and not emit_unquantized and residual is not None
         no_out = plan is not None and plan.skips_out(quantised_only)
         static = qout is not None and qout.mode == "fp8_static"  # its scales are the input scale
@@ -206,13 +210,15 @@ class FusedOutputs:
                                                              if qout is not None else ())
         # the kernels read x, residual, weight and a static scale in place: a given output may not share
         # their bytes (residual_out may be residual itself)
-        xc, rc, wc = x.contiguous(), residual.contiguous() if residual is not None else None, weight.contiguous()
+        xc = x.contiguous() if reads is None else None
+        rc, wc = residual.contiguous() if residual is not None else None, weight.contiguous()
+        reads = {"x": xc} if reads is None else reads
         if any(t is not None for t in given):
-            clash = overlapping(written, (xc, rc, wc, scale), allowed=((1, 1),))
+            clash = overlapping(written, tuple(reads.values()) + (rc, wc, scale), allowed=((1, len(reads)),))
             if clash is not None:
                 names = ("out", "residual_out", "q_out", "scales_out")
-                other = ("x", "residual", "weight", "scale") + names
-                raise ValueError(f"{OP}: {names[clash[0]]} shares memory with {other[clash[1]]}; outputs may "
+                other = tuple(reads) + ("residual", "weight", "scale") + names
+                raise ValueError(f"{op}: {names[clash[0]]} shares memory with {other[clash[1]]}; outputs may "
                                  "overlap no input and no other output (residual_out may be residual itself)")
         return FusedOutputs(out, residual_out, qout, emit_unquantized, written, given, xc, rc, wc)
 

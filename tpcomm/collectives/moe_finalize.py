@@ -13,12 +13,14 @@ on every rank, for every algorithm and number of tokens.
 
 Host path of :meth:`tpcomm.Communicator.fused_moe_finalize_add_rmsnorm`: check the arguments
 (:func:`check_moe_inputs`, then the fused norm's own checks) -> make or check the outputs (the fused
-norm's, ``tpcomm.quant.fp8_outputs`` for a quant form) -> the fused norm's plan -> launch: one-shot and
-Lamport make this rank's rows in their prologue (``kernels/moe.py:finalize_tile``, in every launch of
-a chunked call); two-shot runs the standalone finalize, then the fused norm's kernels; the fallback runs
-the standalone finalize, then the fused norm's fallback. Every launch's signature carries K, the layout,
-the shared output and the scaling (``MoeIn.fields``), so a peer calling with another K is a
-:class:`~tpcomm.PeerMismatchError`, not wrong values.
+norm's :class:`~tpcomm.collectives.fused_norm.FusedOutputs`, with its quant form for a quantised output,
+:mod:`tpcomm.quant.forms`) -> the fused norm's plan (:meth:`~tpcomm.dispatch.Plan.skips_out`,
+:attr:`~tpcomm.dispatch.Plan.prologue`) -> launch: one-shot and Lamport make this rank's rows in their
+prologue (``kernels/moe.py:finalize_tile``, in every launch of a chunked call); two-shot runs the
+standalone finalize, then the fused norm's kernels; the fallback runs the standalone finalize, then the
+fused norm's fallback (:func:`~tpcomm.collectives.fallback.fall_back`). Every launch's signature carries
+K, the layout, the shared output and the scaling (``MoeIn.fields``), so a peer calling with another K
+is a :class:`~tpcomm.PeerMismatchError`, not wrong values.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import numbers
 
 import torch
 
-from .. import call_cache, dispatch, reference, validate
+from .. import dispatch, reference, validate
 from ..env import interpreter_enabled, interpreter_problem
-from ..kernels import chunks
 from ..kernels.moe import MoeIn, moe_finalize_call
-from ..quant import DEFAULT_GROUP_SIZE, check_fp8_outputs, check_unquantized_call, fp8_outputs
-from .fused_norm import FLOAT32_MAX, check_fused_inputs, check_fused_outputs
+from ..quant import DEFAULT_GROUP_SIZE, check_unquantized_call
+from .fallback import fall_back
+from .fused_norm import FLOAT32_MAX, FusedOutputs, check_fused_inputs, check_fused_outputs, quant_outputs
+
+OP = "fused_moe_finalize_add_rmsnorm"
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -207,92 +211,94 @@ def fused_moe_finalize_add_rmsnorm(comm, expert_out, topk_weights, residual, wei
                                    fp8_dtype=torch.float8_e4m3fn, group_size=DEFAULT_GROUP_SIZE,
                                    column_major_scales=False, emit_unquantized=False, scale=None,
                                    swizzled_scales=False, out=None, residual_out=None, q_out=None, scales_out=None):
-    """:meth:`tpcomm.Communicator.fused_moe_finalize_add_rmsnorm` on ``comm`` (arguments, returns and
-    raises there)."""
-    op = "fused_moe_finalize_add_rmsnorm"
-    comm._check_open(op)
-    moe, T, H = check_moe_inputs(op, expert_out, topk_weights, index, shared_out, scaling, comm.device)
+    """MoE finalize, all-reduce, residual add, RMSNorm: in one launch where the fused norm has one
+    (``comm.fused_moe_finalize_add_rmsnorm(...)``).
+
+    Plain torch: ``x = tpcomm.moe_finalize(expert_out, topk_weights, index=index, shared_out=shared_out,
+    scaling=scaling)``, then ``comm.fused_add_rmsnorm(x, residual, weight, eps, gemma, quant, ...)``;
+    the outputs are that composition's bits (docs/numerics.md, "MoE finalize"), the same on every rank
+    for every algorithm and number of tokens.
+
+    Collective: every rank calls it with the same shapes, K, layout, ``scaling``, ``eps`` and quant
+    arguments; a peer with another K, H, layout (``index`` or not), ``shared_out`` or not, or
+    ``scaling`` is a :class:`~tpcomm.PeerMismatchError` (a timeout if it ran another algorithm).
+
+    Args:
+        comm: the :class:`~tpcomm.Communicator`.
+        expert_out: this rank's partial expert outputs: ``(T, K, H)`` in token order, or ``(M, H)`` in
+            the experts' permuted order with ``index``; bf16 / fp16 / fp32, this device.
+        topk_weights: ``(T, K)`` routing weights, float32 / bf16 / fp16 (the same on every rank).
+        residual: ``(T, H)`` of ``expert_out``'s dtype, or None.
+        weight, eps, gemma, quant: as :meth:`~tpcomm.Communicator.fused_add_rmsnorm`.
+        index: ``(T, K)`` int32 / int64, the row of ``expert_out`` of each slot (TensorRT-LLM's
+            ``expanded_idx_to_permuted_idx``). Out of ``[0, M)``: ValueError for CPU tensors; on CUDA
+            the slot adds nothing and nothing outside ``expert_out`` is read.
+        shared_out: ``(T, H)`` partial shared-expert output, ``expert_out``'s dtype, added after the
+            scaling.
+        scaling: the routed scaling factor (a finite Python float, used rounded to float32).
+        fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales, out,
+            residual_out, q_out, scales_out: as :meth:`~tpcomm.Communicator.fused_add_rmsnorm`
+            (``(T, H)`` shapes).
+    Returns:
+        What :meth:`~tpcomm.Communicator.fused_add_rmsnorm` returns for ``x`` ``(T, H)``. Safe in CUDA
+        graphs.
+    Raises:
+        TypeError, ValueError: a bad argument (named, with what was expected), nothing written:
+            :func:`check_moe_inputs`, and the errors of :meth:`~tpcomm.Communicator.fused_add_rmsnorm`.
+        PeerTimeoutError: a peer did not arrive within the timeout; :class:`~tpcomm.PeerMismatchError`
+            when it made another call.
+    """
+    comm._check_open(OP)
+    moe, T, H = check_moe_inputs(OP, expert_out, topk_weights, index, shared_out, scaling, comm.device)
     dtype = moe.expert_out.dtype
     if residual is not None:
-        validate.check_tensor(op, "residual", residual, comm.device)
+        validate.check_tensor(OP, "residual", residual, comm.device)
         if tuple(residual.shape) != (T, H):
-            raise ValueError(f"{op}: residual has shape {tuple(residual.shape)}; expected (T, H) = {(T, H)}")
+            raise ValueError(f"{OP}: residual has shape {tuple(residual.shape)}; expected (T, H) = {(T, H)}")
     spec = torch.empty((1,), dtype=dtype, device=comm.device).expand(T, H)  # x's shape, dtype and device
-    eps = check_fused_inputs(op, spec, residual, weight, eps, gemma, emit_unquantized, column_major_scales,
-                                      comm.device)
+    eps = check_fused_inputs(OP, spec, residual, weight, eps, gemma, emit_unquantized, column_major_scales,
+                             comm.device)
     weight = weight.resolve_neg()
     if residual is not None and residual.is_neg():
         residual = residual.resolve_neg()
     if quant is None:
-        check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
+        check_unquantized_call(OP, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
                                swizzled_scales)
-    check_fused_outputs(op, spec, residual, weight, quant, emit_unquantized, out, residual_out, comm.device)
-    if quant is not None:
-        qout = fp8_outputs(op, spec, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
-                           swizzled_scales)
-    else:
-        qout = None
-        check_fp8_outputs(op, spec, None, q_out, scales_out, None, fp8_dtype, comm.device)
+    check_fused_outputs(OP, spec, residual, weight, quant, emit_unquantized, out, residual_out, comm.device)
+    qout = quant_outputs(comm, OP, spec, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                         swizzled_scales)
     plan = comm.plan("fused_add_rmsnorm", T * H * spec.element_size(), H, dtype) if T else None
-    prologue = plan is not None and plan.algorithm in ("one_shot", "lamport")
-    no_out = qout is not None and not emit_unquantized and residual is not None and prologue  # as fused_add_rmsnorm
-    given = (out, residual_out) + ((q_out, scales_out) if qout is not None else ())
-    if residual_out is None and residual is not None:
-        residual_out = call_cache.new_like(spec)
-    if out is None:
-        out = residual_out if no_out else call_cache.new_like(spec)
-    static = quant == "fp8_static"
-    outputs = (None if no_out else out, residual_out) + ((qout.q_fp8, None if static else qout.scales_view)
-                                                         if qout is not None else ())
-    rc, wc = (residual.contiguous() if residual is not None else None), weight.contiguous()
-    if any(t is not None for t in given):
-        inputs = (moe.expert_out, moe.index, moe.weights, moe.shared, rc, wc, scale)
-        clash = validate.overlapping(outputs, inputs, allowed=((1, 4),))
-        if clash is not None:
-            names = ("out", "residual_out", "q_out", "scales_out")
-            other = ("expert_out", "index", "topk_weights", "shared_out", "residual", "weight", "scale") + names
-            raise ValueError(f"{op}: {names[clash[0]]} shares memory with {other[clash[1]]}; outputs may overlap "
-                             "no input and no other output (residual_out may be residual itself)")
-
-    def result():
-        if qout is None:
-            return out, residual_out
-        return qout.q_fp8, qout.scales_view, residual_out, (out if emit_unquantized else None)
-
+    # the kernels read the finalize's inputs in place of x (a prologue's out stands for x)
+    reads = {"expert_out": moe.expert_out, "index": moe.index, "topk_weights": moe.weights, "shared_out": moe.shared}
+    outs = FusedOutputs.make(spec, residual, weight, scale, plan, qout, emit_unquantized, out, residual_out, q_out,
+                             scales_out, op=OP, reads=reads)
     if T == 0:
-        return result()
+        return outs.result()
     call = moe.fields()
     if plan.algorithm == "fallback":
-        _fallback(comm, op, moe, T, H, dtype, rc, wc, eps, gemma, quant, fp8_dtype, group_size, swizzled_scales,
-                  out, residual_out, qout, call)
-        return result()
+        # what the kernels' signatures hold, and the finalize's fields
+        fall_back(comm, OP, (T, H, str(dtype), residual is None, eps, gemma, quant, str(fp8_dtype), group_size,
+                             swizzled_scales) + call,
+                  lambda: outs.fill(reference.fused_add_rmsnorm_reference(_finalized(comm, moe, T, H), outs.rc,
+                                                                          outs.wc, eps, gemma, comm.group)))
+        return outs.result()
     launch_quant = qout.launch_args(comm.device, emit_unquantized) if qout else None
-    if prologue:  # one launch (or one per chunk): the finalize in the kernels' prologue; out stands for x
-        x, rows_moe = out, moe
+    if plan.prologue:  # one launch (or one per chunk): the finalize in the kernels' prologue; out stands for x
+        x, rows_moe = outs.out, moe
     else:  # two-shot: the standalone finalize, then the fused norm's kernels
         x, rows_moe = torch.empty((T, H), dtype=dtype, device=comm.device), None
         _finalize_into(moe, x, T, H)
-    comm._run(op, chunks.row_launches(plan.algorithm, comm.workspace, comm.world_size, x, out, rc, residual_out, wc,
-                                      T, H, eps, True, gemma, launch_quant, comm._signer(op), call, moe=rows_moe))
-    return result()
+    comm._run_rows(OP, plan, x, outs.out, outs.rc, outs.residual_out, outs.wc, T, H, eps, norm=True, gemma=gemma,
+                   quant=launch_quant, call=call, moe=rows_moe)
+    return outs.result()
 
 
-def _fallback(comm, op, moe, T, H, dtype, rc, wc, eps, gemma, quant, fp8_dtype, group_size, swizzled_scales, out,
-              residual_out, qout, call) -> None:
-    """The standalone finalize (plain torch where the kernels cannot run here: the same bits), then the
-    fused norm's fallback through ``torch.distributed``."""
-    comm._before_fallback(op, (T, H, str(dtype), rc is None, eps, gemma, quant, str(fp8_dtype), group_size,
-                               swizzled_scales) + call)
+def _finalized(comm, moe: MoeIn, T: int, H: int) -> torch.Tensor:
+    """The fallback's ``x``: the standalone finalize (plain torch where the kernels cannot run here: the
+    same bits)."""
     if _kernels_run_on(comm.device):
-        x = torch.empty((T, H), dtype=dtype, device=comm.device)
+        x = torch.empty((T, H), dtype=moe.expert_out.dtype, device=comm.device)
         _finalize_into(moe, x, T, H)
-    else:
-        x = moe_finalize_reference(moe.expert_out, moe.weights, index=moe.index, shared_out=moe.shared,
-                                   scaling=moe.scaling)
-    with torch.inference_mode():  # as the fused norm writes its fallback's outputs
-        o, ro = reference.fused_add_rmsnorm_reference(x, rc, wc, eps, gemma, comm.group)
-        out.copy_(o)
-        if residual_out is not None:
-            residual_out.copy_(ro)
-        if qout is not None:
-            qout.fill_from(out)
+        return x
+    return moe_finalize_reference(moe.expert_out, moe.weights, index=moe.index, shared_out=moe.shared,
+                                  scaling=moe.scaling)

@@ -31,26 +31,13 @@ import types
 import torch
 from torch import nn
 
+from .sharding import ShardingError, norm_eps, shard_columns, shard_rows
+
+__all__ = ["GEMMA_LIKE", "LLAMA_LIKE", "ShardingError", "shard"]
+
 #: Model types :func:`shard` knows, and the form of their decoder layers.
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 GEMMA_LIKE = ("gemma3_text",)
-
-
-class ShardingError(ValueError):
-    """A model that cannot be sharded over this many ranks (heads or intermediate size that do not
-    divide by the world size, a bias on a row-parallel projection, an unknown layer shape)."""
-
-
-def _rows(linear: nn.Linear, start: int, stop: int) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[start:stop].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.detach()[start:stop].clone(), requires_grad=False)
-    linear.out_features = stop - start
-
-
-def _columns(linear: nn.Linear, start: int, stop: int) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone(), requires_grad=False)
-    linear.in_features = stop - start
 
 
 def _check(model, world_size: int) -> tuple[str, int, int, int, int]:
@@ -111,7 +98,7 @@ def _llama_layer_forward(comm, next_norm: _FusedNorm):
         normed = self.input_layernorm(hidden_states)
         partial, _ = self.self_attn(hidden_states=normed, **kwargs)
         post = self.post_attention_layernorm
-        normed, residual = comm.fused_add_rmsnorm(partial, residual, post.weight, eps=_eps(post))
+        normed, residual = comm.fused_add_rmsnorm(partial, residual, post.weight, eps=norm_eps(post))
         partial = self.mlp(normed)
         normed, residual = comm.fused_add_rmsnorm(partial, residual, next_norm.weight, eps=next_norm.eps)
         next_norm.give(residual, normed)
@@ -124,16 +111,12 @@ def _gemma_layer_forward(comm):
         residual = hidden_states
         partial, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         post = self.post_attention_layernorm
-        hidden_states = residual + comm.fused_add_rmsnorm(partial, None, post.weight, eps=_eps(post), gemma=True)[0]
+        hidden_states = residual + comm.fused_add_rmsnorm(partial, None, post.weight, eps=norm_eps(post), gemma=True)[0]
         residual = hidden_states
         partial = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         post = self.post_feedforward_layernorm
-        return residual + comm.fused_add_rmsnorm(partial, None, post.weight, eps=_eps(post), gemma=True)[0]
+        return residual + comm.fused_add_rmsnorm(partial, None, post.weight, eps=norm_eps(post), gemma=True)[0]
     return forward
-
-
-def _eps(norm: nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def shard(model, comm):
@@ -166,13 +149,13 @@ def shard(model, comm):
     layers = tp.model.layers
     for n, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        _rows(attn.q_proj, r * q, (r + 1) * q)
-        _rows(attn.k_proj, r * kv, (r + 1) * kv)
-        _rows(attn.v_proj, r * kv, (r + 1) * kv)
-        _columns(attn.o_proj, r * q, (r + 1) * q)
-        _rows(mlp.gate_proj, r * i, (r + 1) * i)
-        _rows(mlp.up_proj, r * i, (r + 1) * i)
-        _columns(mlp.down_proj, r * i, (r + 1) * i)
+        shard_rows(attn.q_proj, r * q, (r + 1) * q)
+        shard_rows(attn.k_proj, r * kv, (r + 1) * kv)
+        shard_rows(attn.v_proj, r * kv, (r + 1) * kv)
+        shard_columns(attn.o_proj, r * q, (r + 1) * q)
+        shard_rows(mlp.gate_proj, r * i, (r + 1) * i)
+        shard_rows(mlp.up_proj, r * i, (r + 1) * i)
+        shard_columns(mlp.down_proj, r * i, (r + 1) * i)
         if kind in GEMMA_LIKE:
             layer.forward = types.MethodType(_gemma_layer_forward(comm), layer)
     if kind in LLAMA_LIKE:

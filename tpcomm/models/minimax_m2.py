@@ -26,7 +26,7 @@ import types
 import torch
 from torch import nn
 
-from .hf import ShardingError, _columns, _eps, _rows
+from .sharding import ShardingError, norm_eps, shard_columns, shard_rows
 
 #: Model types this module shards.
 MINIMAX_LIKE = ("minimax_m2",)
@@ -72,7 +72,7 @@ def _attention_forward(comm):
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
         q, k = comm.fused_qk_rmsnorm(q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), self.q_norm.weight,
-                                     self.k_norm.weight, eps=_eps(self.q_norm))
+                                     self.k_norm.weight, eps=norm_eps(self.q_norm))
         query = q.view(hidden_shape).transpose(1, 2)
         key = k.view(hidden_shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -105,7 +105,7 @@ def _layer_forward(comm):
                                     position_ids=position_ids,
                                     cache=cache if cache is not None else past_key_values, **kwargs)
         post = self.post_attention_layernorm
-        normed, residual = comm.fused_add_rmsnorm(partial, residual, post.weight, eps=_eps(post))
+        normed, residual = comm.fused_add_rmsnorm(partial, residual, post.weight, eps=norm_eps(post))
         return residual + _moe(self.mlp, normed)
     return forward
 
@@ -133,10 +133,10 @@ def shard(model, comm):
     q, kv = heads // W * head_dim, kv_heads // W * head_dim
     for layer in tp.model.layers:
         attn = layer.self_attn
-        _rows(attn.q_proj, r * q, (r + 1) * q)
-        _rows(attn.k_proj, r * kv, (r + 1) * kv)
-        _rows(attn.v_proj, r * kv, (r + 1) * kv)
-        _columns(attn.o_proj, r * q, (r + 1) * q)
+        shard_rows(attn.q_proj, r * q, (r + 1) * q)
+        shard_rows(attn.k_proj, r * kv, (r + 1) * kv)
+        shard_rows(attn.v_proj, r * kv, (r + 1) * kv)
+        shard_columns(attn.o_proj, r * q, (r + 1) * q)
         _slice_norm(attn.q_norm, r * q, (r + 1) * q)
         _slice_norm(attn.k_norm, r * kv, (r + 1) * kv)
         attn.forward = types.MethodType(_attention_forward(comm), attn)

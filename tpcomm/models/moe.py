@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .hf import ShardingError
+from .sharding import ShardingError
 
 #: Layouts of the expert outputs handed to the finalize.
 LAYOUTS = ("token", "permuted")

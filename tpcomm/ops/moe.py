@@ -1,5 +1,6 @@
-"""``torch.library`` ops of the MoE finalize (registered when :mod:`tpcomm.ops` is imported; conventions
-there: the handle, fake implementations, :func:`tpcomm.capture.before_call`)::
+"""The custom ops of the MoE finalize, alone and fused with the all-reduce, the residual add and the
+RMSNorm, and their wrappers (registered when :mod:`tpcomm.ops` is imported; conventions there: the
+handle, fake implementations, :func:`tpcomm.capture.before_call`)::
 
     torch.ops.tpcomm.moe_finalize(expert_out, topk_weights, index?, shared_out?, scaling) -> Tensor
     torch.ops.tpcomm.fused_moe_finalize_add_rmsnorm(handle, expert_out, topk_weights, index?, shared_out?,
@@ -22,16 +23,16 @@ from typing import Optional
 
 import torch
 
-from . import capture
-from .ops import _scale_sig, _signature, handle_of, lookup
-from .quant import DEFAULT_GROUP_SIZE
+from .. import capture
+from ..quant import DEFAULT_GROUP_SIZE
+from .registry import handle_of, lookup, scale_sig, signature
 
 
 @torch.library.custom_op("tpcomm::moe_finalize", mutates_args=(),
                          schema="(Tensor expert_out, Tensor topk_weights, Tensor? index, Tensor? shared_out, "
                                 "float scaling) -> Tensor")
 def _moe_finalize_op(expert_out, topk_weights, index, shared_out, scaling):
-    from .collectives.moe_finalize import moe_finalize as run
+    from ..collectives.moe_finalize import moe_finalize as run
 
     return run(expert_out, topk_weights, index=index, shared_out=shared_out, scaling=scaling)
 
@@ -51,11 +52,11 @@ def _(expert_out, topk_weights, index, shared_out, scaling):
 def _fused_op(handle, expert_out, topk_weights, index, shared_out, scaling, residual, weight, eps, gemma, quant,
               fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales):
     comm = lookup(handle)
-    capture.before_call(comm, _signature(f"fused_moe_finalize_add_rmsnorm(gemma={gemma}, quant={quant}, "
+    capture.before_call(comm, signature(f"fused_moe_finalize_add_rmsnorm(gemma={gemma}, quant={quant}, "
                                         f"fp8={fp8_dtype}, group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={emit_unquantized})",
                                         expert_out, topk_weights, index, shared_out, residual, weight)
-                       + (_scale_sig(scale),))
+                       + (scale_sig(scale),))
     kw = {} if quant is None else dict(fp8_dtype=fp8_dtype, group_size=group_size, scale=scale,
                                        column_major_scales=column_major_scales, emit_unquantized=emit_unquantized,
                                        swizzled_scales=swizzled_scales)
@@ -70,7 +71,7 @@ def _fused_op(handle, expert_out, topk_weights, index, shared_out, scaling, resi
 @_fused_op.register_fake
 def _(handle, expert_out, topk_weights, index, shared_out, scaling, residual, weight, eps, gemma, quant, fp8_dtype,
       group_size, column_major_scales, emit_unquantized, scale, swizzled_scales):
-    from .quant import fp8_outputs
+    from ..quant import fp8_outputs
 
     spec = torch.empty((topk_weights.shape[0], expert_out.shape[-1]), dtype=expert_out.dtype,
                        device=expert_out.device)

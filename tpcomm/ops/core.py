@@ -1,62 +1,6 @@
-"""``torch.library`` custom ops, so ``torch.compile`` and CUDA graphs see each tpcomm call as one opaque op.
-
-Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see below)::
-
-    torch.ops.tpcomm.all_reduce(handle, x) -> Tensor                     # new tensor, x's shape
-    torch.ops.tpcomm.all_reduce_out(handle, x, out) -> ()                # writes out (out may be x)
-    torch.ops.tpcomm.fused_add_rmsnorm(handle, x, residual?, weight, eps, gemma) -> Tensor[]
-        # [out, residual_out] with a residual, [out] without one
-    torch.ops.tpcomm.fused_add_rmsnorm_fp8(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
-                                          group_size, column_major_scales, emit_unquantized, scale?,
-                                          swizzled_scales) -> Tensor[]
-        # [q, scales] + [residual_out] with a residual + [out] with emit_unquantized;
-        # quant="fp8_static": [q] + ..., the scale is the input scale (an op returns no alias of an input)
-    torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual?, weight, eps, gemma, out, residual_out?) -> ()
-        # writes out and residual_out; residual_out None: the residual in place
-    torch.ops.tpcomm.fused_add_rmsnorm_fp8_out(handle, x, residual?, weight, eps, gemma, quant, fp8_dtype,
-                                              group_size, column_major_scales, q, scales?, residual_out?,
-                                              out?, scale?, swizzled_scales) -> ()
-        # out given: emit_unquantized; scales None with fp8_static
-    torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
-    torch.ops.tpcomm.fused_qk_rmsnorm(handle, q, k, q_weight, k_weight, eps) -> Tensor[]  # [q_out, k_out]
-    torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
-
-Each op runs the :class:`~tpcomm.Communicator` method it is named after; it has a fake (meta)
-implementation that gives the output's shape, dtype, device and strides without running anything, so
-``torch.compile(fullgraph=True)`` traces a model that calls them without graph breaks, and the compiled
-model runs the very same kernels as eager mode (the same bits). The ``*_out`` ops mutate their output
-arguments (declared in ``mutates_args``; the fused ones also the residual, which they update in place when
-no separate ``residual_out`` is passed); every other op's outputs are new tensors that alias no input.
-
-Why a handle: an op's arguments are tensors and plain values, not a Python object, so every
-communicator gets an ``int`` handle at construction (``comm.handle``, :func:`register`) in a registry
-that holds communicators weakly; handles are never reused, so a compiled graph that outlives its
-communicator raises instead of talking to another one. The wrappers here (:func:`all_reduce`,
-:func:`fused_add_rmsnorm`, :func:`all_gather`, :func:`reduce_scatter`) take the communicator itself (or
-a handle) and read its handle as an attribute, which ``torch.compile`` folds into a constant and guards
-on: a model holding another communicator recompiles.
-
-``all_gather`` and ``reduce_scatter`` also take the group's rank and size (the wrappers pass them):
-their output shapes depend on them, and a fake implementation must depend on its arguments alone
-(compiled graphs are cached on disk by their code and arguments, across processes).
-
-In a model::
-
-    import tpcomm.ops as tops
-    y = tops.all_reduce(comm, x)                                       # eager or compiled alike
-    out, residual = tops.fused_add_rmsnorm(comm, x, residual, weight, eps=1e-6)
-
-Importing this module imports ``torch._dynamo`` (for ``torch.compiler.assume_constant_result``, about
-1 s), which is why ``import tpcomm`` does not import it; import it before loading a compiled artifact
-that calls the ops.
-
-Inference only: the ops have no autograd formula (run under ``torch.inference_mode()`` /
-``torch.no_grad()``, or with parameters that do not require grad). Inputs are validated by the
-communicator when the op runs (the fake implementations compute shapes and check only what they need:
-``dim``, and the FP8 arguments through the communicator's own allocation), so a bad input raises the
-communicator's ``ValueError`` / ``TypeError`` at run time, compiled or not. Graph safety (warm-up before
-capture, one stream per communicator) is in :mod:`tpcomm.graphs`.
-"""
+"""The custom ops of the all-reduce, the fused add + RMSNorm (unquantised, quantised, and their ``*_out``
+forms), the full-width QK norm, the all-gather and the reduce-scatter, and their wrappers (conventions:
+:mod:`tpcomm.ops`)."""
 
 from __future__ import annotations
 
@@ -64,104 +8,15 @@ from typing import Optional
 
 import torch
 
-from . import capture
-from .quant import DEFAULT_GROUP_SIZE, QUANT_MODES, check_unquantized_call
-
-
-# -- registry -------------------------------------------------------------------------------------------
-def register(comm) -> int:
-    """``comm``'s handle for the ops (every Communicator gets one at construction: ``comm.handle``).
-
-    Handles are local to the process (two ranks may hold different handles for their communicators of
-    one group); they start at 1 and are never reused, and the registry holds communicators weakly.
-
-    Args:
-        comm: a :class:`tpcomm.Communicator`.
-    Returns:
-        The handle, an ``int >= 1``.
-    Raises:
-        TypeError: ``comm`` is not a Communicator.
-    """
-    from .communicator import Communicator
-
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"tpcomm ops: comm must be a tpcomm.Communicator or an int handle, got "
-                        f"{type(comm).__name__}")
-    return comm.handle
-
-
-def lookup(handle: int):
-    """The communicator registered under ``handle``.
-
-    Raises:
-        TypeError: ``handle`` is not an int.
-        LookupError: no live communicator has this handle (garbage-collected, or never created here).
-    """
-    from .communicator import _BY_HANDLE
-
-    if isinstance(handle, bool) or not isinstance(handle, int):
-        raise TypeError(f"tpcomm ops: handle must be an int from tpcomm.ops.register, got {type(handle).__name__}")
-    comm = _BY_HANDLE.get(handle)
-    if comm is None:
-        raise LookupError(f"tpcomm ops: no communicator is registered under handle {handle} (garbage-collected "
-                          "since, or never created in this process)")
-    return comm
-
-
-def _is_handle(comm) -> bool:
-    return isinstance(comm, int) and not isinstance(comm, bool)
-
-
-@torch.compiler.assume_constant_result
-def _group_of_handle(handle: int) -> tuple[int, int, int]:
-    c = lookup(handle)
-    return handle, c.rank, c.world_size
-
-
-def _group_of(comm) -> tuple[int, int, int]:
-    """``(handle, rank, world_size)`` of a communicator or handle.
-
-    Under torch.compile these become constants: a communicator's are plain int attributes, which Dynamo
-    reads while tracing and guards on (a model holding another communicator, with another handle,
-    recompiles: ``tests/ops/test_compile.py::test_compiled_code_follows_the_communicator``). An earlier
-    ``assume_constant_result`` function of the communicator itself failed to trace with torch 2.11
-    ("UserDefinedObjectVariable(Communicator) is not a constant", 2 H200s)."""
-    if _is_handle(comm):
-        return _group_of_handle(comm)
-    return register(comm), comm.rank, comm.world_size
-
-
-def handle_of(comm) -> int:
-    """``comm``'s handle: ``comm`` itself if it is an int handle, else ``comm.handle`` (:func:`register`)."""
-    if _is_handle(comm):
-        return comm
-    return register(comm)
-
-
-# -- ops ------------------------------------------------------------------------------------------------
-def _sig(t: torch.Tensor | None):
-    return None if t is None else (tuple(t.shape), t.dtype, t.data_ptr() % 16 == 0)
-
-
-def _signature(op: str, *tensors) -> tuple:
-    """What decides which kernels a call compiles (the key of :func:`tpcomm.graphs.before_call`): the
-    op, and the shape, dtype and 16-byte alignment of each tensor argument (Triton specialises pointers
-    on 16-byte alignment). A new output counts as an aligned tensor of the input's shape and dtype, so
-    ``all_reduce(x)`` and ``all_reduce(x, out=aligned)`` share a signature."""
-    return (op,) + tuple(_sig(t) for t in tensors)
-
-
-def _scale_sig(scale: torch.Tensor | None):
-    """The signature entry of a static or global ``scale``: its dtype and alignment, not its shape. The
-    kernels read its one element through a pointer, so ``()``, ``(1,)`` and ``(1, 1)`` compile the same
-    kernels (and a warm-up with one covers the others)."""
-    return None if scale is None else ((1,), scale.dtype, scale.data_ptr() % 16 == 0)
+from .. import capture
+from ..quant import DEFAULT_GROUP_SIZE, QUANT_MODES, check_unquantized_call
+from .registry import group_of, handle_of, lookup, scale_sig, signature, tensor_sig
 
 
 def _unaligned(*outputs) -> tuple:
     """Signature entries of given outputs that are not 16-byte aligned (none for aligned ones, which
     compile the same kernels as the new outputs of the allocating op, so one warm-up serves both)."""
-    return tuple(_sig(t) for t in outputs if t is not None and t.data_ptr() % 16)
+    return tuple(tensor_sig(t) for t in outputs if t is not None and t.data_ptr() % 16)
 
 
 # Explicit schemas: ``int handle`` (not the inferred ``SymInt``), so the handle is never traced as a
@@ -169,7 +24,7 @@ def _unaligned(*outputs) -> tuple:
 @torch.library.custom_op("tpcomm::all_reduce", mutates_args=(), schema="(int handle, Tensor x) -> Tensor")
 def _all_reduce_op(handle: int, x: torch.Tensor) -> torch.Tensor:
     comm = lookup(handle)
-    capture.before_call(comm, ("all_reduce", _sig(x), (tuple(x.shape), x.dtype, True)))
+    capture.before_call(comm, ("all_reduce", tensor_sig(x), (tuple(x.shape), x.dtype, True)))
     return comm.all_reduce(x)
 
 
@@ -182,7 +37,7 @@ def _(handle, x):
                          schema="(int handle, Tensor x, Tensor(a!) out) -> ()")
 def _all_reduce_out_op(handle: int, x: torch.Tensor, out: torch.Tensor) -> None:
     comm = lookup(handle)
-    capture.before_call(comm, _signature("all_reduce", x, out))
+    capture.before_call(comm, signature("all_reduce", x, out))
     comm.all_reduce(x, out=out)
 
 
@@ -197,7 +52,7 @@ def _(handle, x, out):
 def _fused_add_rmsnorm_op(handle: int, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                           eps: float, gemma: bool) -> list[torch.Tensor]:
     comm = lookup(handle)
-    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight))
+    capture.before_call(comm, signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight))
     out, residual_out = comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma)
     return [out] if residual_out is None else [out, residual_out]
 
@@ -215,10 +70,10 @@ def _(handle, x, residual, weight, eps, gemma):
 def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
                   emit_unquantized, scale=None, swizzled_scales=False):
     comm = lookup(handle)
-    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
+    capture.before_call(comm, signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={emit_unquantized})",
-                                        x, residual, weight) + (_scale_sig(scale),))
+                                        x, residual, weight) + (scale_sig(scale),))
     q, scales, residual_out, out = comm.fused_add_rmsnorm(
         x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype, group_size=group_size,
         column_major_scales=column_major_scales, emit_unquantized=emit_unquantized, scale=scale,
@@ -231,7 +86,7 @@ def _fused_fp8_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, gro
 @_fused_fp8_op.register_fake
 def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
       emit_unquantized, scale=None, swizzled_scales=False):
-    from .quant import fp8_outputs
+    from ..quant import fp8_outputs
 
     # the communicator's own allocation (and validation): the same shapes and strides (column-major
     # scales are the transpose of a contiguous (H / group_size, T) tensor)
@@ -250,7 +105,7 @@ def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
                                 "Tensor(b!) out, Tensor(c!)? residual_out) -> ()")
 def _fused_add_rmsnorm_out_op(handle, x, residual, weight, eps, gemma, out, residual_out) -> None:
     comm = lookup(handle)
-    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight)
+    capture.before_call(comm, signature(f"fused_add_rmsnorm(gemma={gemma})", x, residual, weight)
                        + _unaligned(out, residual_out))
     comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, out=out,
                            residual_out=residual if residual_out is None else residual_out)
@@ -270,10 +125,10 @@ def _(handle, x, residual, weight, eps, gemma, out, residual_out):
 def _fused_fp8_out_op(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
                       q, scales, residual_out, out, scale=None, swizzled_scales=False) -> None:
     comm = lookup(handle)
-    capture.before_call(comm, _signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
+    capture.before_call(comm, signature(f"fused_add_rmsnorm(gemma={gemma}, quant={quant}, fp8={fp8_dtype}, "
                                         f"group={group_size}, column_major={column_major_scales}, "
                                         f"swizzled={swizzled_scales}, unquantized={out is not None})",
-                                        x, residual, weight) + (_scale_sig(scale),)
+                                        x, residual, weight) + (scale_sig(scale),)
                        + _unaligned(q, scales, residual_out, out))
     comm.fused_add_rmsnorm(x, residual, weight, eps=eps, gemma=gemma, quant=quant, fp8_dtype=fp8_dtype,
                            group_size=group_size, column_major_scales=column_major_scales,
@@ -293,7 +148,7 @@ def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
                                 "-> Tensor[]")
 def _fused_qk_rmsnorm_op(handle, q, k, q_weight, k_weight, eps) -> list[torch.Tensor]:
     comm = lookup(handle)  # the row strides go into the kernel's specialisation (packed QKV views)
-    capture.before_call(comm, _signature("fused_qk_rmsnorm", q, k, q_weight, k_weight) + (q.stride(), k.stride()))
+    capture.before_call(comm, signature("fused_qk_rmsnorm", q, k, q_weight, k_weight) + (q.stride(), k.stride()))
     return list(comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps))
 
 
@@ -326,7 +181,7 @@ def _norm_dim(op: str, x: torch.Tensor, dim: int) -> int:
                          schema="(int handle, Tensor x, int dim, int rank, int world_size) -> Tensor")
 def _all_gather_op(handle: int, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
     comm = _lookup_group("all_gather", handle, rank, world_size)
-    capture.before_call(comm, _signature(f"all_gather(dim={dim})", x))
+    capture.before_call(comm, signature(f"all_gather(dim={dim})", x))
     return comm.all_gather(x, dim).contiguous()  # contiguous as the fake says (a no-op unless dim != 0)
 
 
@@ -342,7 +197,7 @@ def _(handle, x, dim, rank, world_size):
                          schema="(int handle, Tensor x, int dim, int rank, int world_size) -> Tensor")
 def _reduce_scatter_op(handle: int, x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
     comm = _lookup_group("reduce_scatter", handle, rank, world_size)
-    capture.before_call(comm, _signature(f"reduce_scatter(dim={dim})", x))
+    capture.before_call(comm, signature(f"reduce_scatter(dim={dim})", x))
     return comm.reduce_scatter(x, dim).contiguous()
 
 
@@ -485,7 +340,7 @@ def _fused_out(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         torch.ops.tpcomm.fused_add_rmsnorm_out(handle, x, residual, weight, eps, gemma, out, passed_residual_out)
         return out, residual_out
-    from .quant import fp8_outputs
+    from ..quant import fp8_outputs
 
     if out is not None and not emit_unquantized:  # as the method refuses it
         raise ValueError(f"fused_add_rmsnorm: out with quant={quant!r} needs emit_unquantized=True (otherwise no "
@@ -524,7 +379,7 @@ def all_gather(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     Raises:
         As :meth:`tpcomm.Communicator.all_gather`; ``LookupError`` for an unknown handle.
     """
-    handle, rank, world_size = _group_of(comm)
+    handle, rank, world_size = group_of(comm)
     return torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size)
 
 
@@ -545,7 +400,7 @@ def reduce_scatter(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     Raises:
         As :meth:`tpcomm.Communicator.reduce_scatter`; ``LookupError`` for an unknown handle.
     """
-    handle, rank, world_size = _group_of(comm)
+    handle, rank, world_size = group_of(comm)
     return torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size)
 
 
@@ -562,6 +417,3 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     """
     q_out, k_out = torch.ops.tpcomm.fused_qk_rmsnorm(handle_of(comm), q, k, q_weight, k_weight, eps)
     return q_out, k_out
-
-# The MoE finalize ops (tpcomm::moe_finalize, tpcomm::fused_moe_finalize_add_rmsnorm) and their wrappers.
-from .ops_moe import fused_moe_finalize_add_rmsnorm, moe_finalize  # noqa: E402,F401

@@ -1,0 +1,27 @@
+"""What the model shardings share (:mod:`tpcomm.models.hf`, :mod:`tpcomm.models.minimax_m2`,
+:mod:`tpcomm.models.moe`): the error, a ``Linear`` cut to its rows or columns in place, a norm's eps."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class ShardingError(ValueError):
+    """A model that cannot be sharded over this many ranks (heads or intermediate size that do not
+    divide by the world size, a bias on a row-parallel projection, an unknown layer shape)."""
+
+
+def shard_rows(linear: nn.Linear, start: int, stop: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[start:stop].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[start:stop].clone(), requires_grad=False)
+    linear.out_features = stop - start
+
+
+def shard_columns(linear: nn.Linear, start: int, stop: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone(), requires_grad=False)
+    linear.in_features = stop - start
+
+
+def norm_eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
