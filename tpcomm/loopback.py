@@ -29,6 +29,13 @@ Limits:
   * No process group: a call whose plan is the ``torch.distributed`` fallback raises ``RuntimeError``.
   * Issue every rank's part of a collective before the next collective, and before waiting for any of
     it (:func:`run_ranks`): a rank's kernel spins on the GPU until its peers' kernels run.
+  * A rank must not make a call whose kernel is not loaded yet while its previous call still waits for
+    its peers (say a fused call, then an all-reduce of another size, in one :func:`run_ranks` function):
+    loading the new module waits for the GPU's running kernels, among them this rank's own, which waits
+    for peers this thread has not issued yet, and the calls end in ``PeerTimeoutError``. Make every
+    call of a new shape, dtype or op once on every rank first, one call per :func:`run_ranks` (or
+    capture them into a CUDA graph: nothing runs while a capture loads them); after that a rank may run
+    ahead of its peers by several calls. The timeout errors of a loopback rank say so (:data:`LOAD_HINT`).
 """
 
 from __future__ import annotations
@@ -40,8 +47,14 @@ import torch
 from . import dispatch
 from .communicator import DEFAULT_MAX_BYTES_CUDA, Communicator
 from .env import read_env
+from .errors import PeerMismatchError, PeerTimeoutError
 from .validate import checked_limits
 from .workspace import Workspace, pdl_supported
+
+#: Appended to a loopback rank's timeout errors: how a loopback program with no missing peer times out.
+LOAD_HINT = ("On loopback ranks this also happens when a rank makes a call whose kernel is not loaded yet "
+             "while its previous call waits for peers that the same thread has not issued: make each new "
+             "call once on every rank first, one call per run_ranks (tpcomm.loopback).")
 
 
 class LoopbackRank(Communicator):
@@ -68,6 +81,18 @@ class LoopbackRank(Communicator):
         self.fallback_reason = None
         self.stream = torch.cuda.Stream(self.device)
         self._register()
+
+    def check(self, op: str = "check") -> None:
+        """As :meth:`Communicator.check`; a :class:`~tpcomm.PeerTimeoutError` (not a mismatch) also says
+        how a loopback program times out without a missing peer (:data:`LOAD_HINT`)."""
+        try:
+            super().check(op)
+        except PeerMismatchError:
+            raise
+        except PeerTimeoutError as e:
+            if LOAD_HINT not in e.args[0]:
+                e.args = (f"{e.args[0]} {LOAD_HINT}",)
+            raise
 
     def _make_plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
         plan = super()._make_plan(op, nbytes, hidden, dtype)

@@ -472,11 +472,11 @@ def test_fail_close_create_cycles_leak_nothing():
     assert after[0] <= before[0] and after[1] <= before[1], f"(allocated bytes, open fds) {before} -> {after}"
 
 
-def test_a_rank_may_make_two_calls_before_its_peer_makes_the_first(monkeypatch, tmp_path):
-    """With an empty kernel cache, each rank makes a fused call and then an all-reduce of another size
-    (another kernel to load) in one ``run_ranks`` function: rank 0's second call loads its module while
-    its first kernel waits for rank 1, which ``run_ranks`` still issues (a host thread per rank), so both
-    calls complete on both ranks with the reference's bits, well inside the timeout."""
+def test_a_rank_may_run_calls_ahead_of_its_peer_once_their_kernels_are_loaded(monkeypatch, tmp_path):
+    """With an empty kernel cache, a fused call and an all-reduce of another size are made once on every
+    rank, one call per ``run_ranks`` (their kernels load while no kernel waits); then each rank makes both
+    in one ``run_ranks`` function, rank 0 its second call before rank 1 its first: both complete on both
+    ranks with the reference's bits, well inside the timeout (tpcomm.loopback, "Limits")."""
     import time
 
     from tpcomm import reference as R
@@ -490,11 +490,16 @@ def test_a_rank_may_make_two_calls_before_its_peer_makes_the_first(monkeypatch, 
         o_ref, ro_ref = R.add_rmsnorm_reference(R.reduce_in_rank_order(xs), res, w, 1e-6)
         s_ref = R.reduce_in_rank_order(ys)
 
-        def two_calls(rank):
-            fused = rank.fused_add_rmsnorm(xs[rank.rank], res, w, 1e-6)
-            return fused, rank.all_reduce(ys[rank.rank])
+        def fused(rank):
+            return rank.fused_add_rmsnorm(xs[rank.rank], res, w, 1e-6)
+
+        def reduce(rank):
+            return rank.all_reduce(ys[rank.rank])
+        run_ranks(ranks, fused)
+        run_ranks(ranks, reduce)
+        torch.cuda.synchronize()
         start = time.monotonic()
-        got = run_ranks(ranks, two_calls)
+        got = run_ranks(ranks, lambda rank: (fused(rank), reduce(rank)))
         torch.cuda.synchronize()
         assert time.monotonic() - start < 9.0, "the calls waited for the timeout"
         for r, ((out, res_out), s) in enumerate(got):
