@@ -25,6 +25,10 @@
 #                                        # 1,16,64,256) of each tree in turn
 #   bash dev/gpu_runs.sh soak-bench      # 2+ GPUs: the 10,000-step soak, then the full tpcomm bench sweep
 #                                        # (FlashInfer from .whl/)
+#   bash dev/gpu_runs.sh new-ops         # ONE GPU: the fused QK norm's and the fused MoE finalize's loopback
+#                                        # tests side by side (TEST_S, default 200), then their benches
+#                                        # (benchmarks/qk_norm_loopback.py; benchmarks/moe_loopback.py with
+#                                        # TRT-LLM's MoE fusions beside, FlashInfer from .whl/)
 #   bash dev/gpu_runs.sh model           # ONE GPU: tpcomm demo --model llama and gemma on loopback ranks
 #                                        # (transformers from .whl-hf/), then the loopback tests
 #
@@ -153,13 +157,25 @@ soak-bench)
     echo "soak rc=$?" | tee -a $W/summary.txt; tail -8 $W/soak10000.log >> $W/summary.txt
     with_flashinfer timeout 330 python3 -m tpcomm bench --json $W/bench.json > $W/bench.log 2>&1
     echo "bench rc=$?" | tee -a $W/summary.txt ;;
+new-ops)
+    for f in qk_tests:tests/qk_norm/test_gpu_qk_norm_loopback.py moe_tests:tests/collectives/test_gpu_moe_loopback.py; do
+        (timeout ${TEST_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${f#*:} > $W/${f%%:*}.log 2>&1
+         echo "${f%%:*} rc=$?" >> $W/summary.txt; tail -3 $W/${f%%:*}.log >> $W/summary.txt) &
+    done
+    wait
+    timeout 120 python3 benchmarks/qk_norm_loopback.py --worlds 2,4 --tokens 1,16,64,256 \
+        --out $W/qk_norm_loopback.json > $W/qk_bench.log 2>&1
+    echo "qk_bench rc=$?" >> $W/summary.txt
+    with_flashinfer timeout 200 python3 benchmarks/moe_loopback.py --worlds 2,4 --hiddens 3072,7168 --tokens 1,16,64,256 \
+        --k 8 --out $W/moe_loopback.json > $W/moe_bench.log 2>&1
+    echo "moe_bench rc=$?" >> $W/summary.txt ;;
 model)
     model_demos
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py --durations=5 \
         > $W/loopback_tests.log 2>&1
     echo "loopback_tests rc=$?" >> $W/summary.txt; tail -3 $W/loopback_tests.log >> $W/summary.txt ;;
 *)
-    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|model"; exit 2 ;;
+    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|model"; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" -C "$W" .
 cat "$W/summary.txt"
