@@ -82,3 +82,23 @@ def test_sharded_block_matches_hf(pools, world, tokens):
         assert torch.equal(res["index"], results[0]["index"]), f"rank {r} routes otherwise than rank 0"
         for a, b in zip(res["token"], results[0]["token"]):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {r}'s bits differ from rank 0's"
+
+
+def model_layouts_case(ctx) -> dict:
+    """One forward pass of the small demo MiniMax-M2 sharded with each layout of the expert outputs."""
+    import tpcomm
+    from tests.tools import ranks
+    from tpcomm.models import demo
+    from tpcomm.models.minimax_m2 import shard
+
+    m = demo.make_model(ranks.small("minimax_m2", ctx.world_size))
+    ids = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode(), tpcomm.Communicator() as comm:
+        return {layout: shard(m, comm, layout=layout)(input_ids=ids).logits for layout in ("token", "permuted")}
+
+
+def test_the_sharded_model_gives_the_same_bits_with_either_layout(pool2):
+    """``minimax_m2.shard(..., layout=...)``: the whole model through the experts' permuted order gives the
+    bits of the token order, on every rank."""
+    for r, res in enumerate(pool2.run(model_layouts_case)):
+        assert torch.equal(res["permuted"].view(torch.int32), res["token"].view(torch.int32)), f"rank {r}"

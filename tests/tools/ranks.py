@@ -157,11 +157,13 @@ def refused_case(ctx, what: str):
     from tests.support.numerics import raised
     from tpcomm.models import shard
 
-    cfg = small("llama", ctx.world_size)
+    cfg = small("minimax_m2" if what.startswith("minimax") else "llama", ctx.world_size)
     if what == "heads":
         cfg = replace(cfg, heads=ctx.world_size + 1, kv_heads=ctx.world_size + 1, hidden=64 * (ctx.world_size + 1))
     elif what == "intermediate":
         cfg = replace(cfg, intermediate=96 * ctx.world_size + 1)
+    elif what == "minimax_experts":  # the experts' intermediate size is half the config's (make_model)
+        cfg = replace(cfg, intermediate=96 * ctx.world_size + 2)
     m = demo.make_model(cfg)
     with tpcomm.Communicator() as comm:
         return raised(lambda: shard(m, comm))

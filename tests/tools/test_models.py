@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` models sharded over tpcomm (``tpcomm.models``) on CPU ranks: Llama,
-Gemma 3 (the ``(1 + w)`` norm) and MiniMax-M2 (the full-width QK norm), 2 and 3 ranks. Skipped without
-``transformers`` (the ``hf`` extra)."""
+Gemma 3 (the ``(1 + w)`` norm) and MiniMax-M2 (the full-width QK norm, the experts sharded), 2 and 3
+ranks, and the fused calls each decoder layer makes. Skipped without ``transformers`` (the ``hf``
+extra)."""
 
 import pytest
 
@@ -9,18 +10,29 @@ pytest.importorskip("transformers")
 from tests.support.numerics import Checks  # noqa: E402
 from tests.tools import ranks  # noqa: E402
 
+#: The communicator calls of one decoder layer in one forward pass, per model: Llama's two partial sums
+#: each with its residual add and next norm, Gemma's two with their post-norms, MiniMax-M2's QK norm, the
+#: attention's partial sum with ``post_attention_layernorm``, and the experts' finalize with the next norm.
+LAYER_CALLS = {"llama": {"fused_add_rmsnorm": 2}, "gemma": {"fused_add_rmsnorm": 2},
+               "minimax_m2": {"fused_qk_rmsnorm": 1, "fused_add_rmsnorm": 1, "fused_moe_finalize_add_rmsnorm": 1}}
 
-@pytest.mark.parametrize("model,world", [("llama", 2), ("llama", 3), ("gemma", 2), ("gemma", 3), ("minimax_m2", 2)])
+
+@pytest.mark.parametrize("model,world", [("llama", 2), ("llama", 3), ("gemma", 2), ("gemma", 3), ("minimax_m2", 2),
+                                         ("minimax_m2", 3), ("minimax_m2", 4)])
 def test_sharded_decoding_equals_the_unsharded_model(pools, model, world):
     """Prefill and greedy decode steps with the KV cache: float32 tokens equal the unsharded model's,
-    logits within float32 rounding of the reordered sums, and the same tokens on every rank."""
+    logits within float32 rounding of the reordered sums, the same tokens on every rank, and every layer
+    made its fused calls (one forward pass each: no other collective, none outside the layers)."""
     check = Checks()
+    expected = [(layer, LAYER_CALLS[model]) for layer in range(ranks.small(model, world).layers)]
     for r, res in enumerate(pools.get(world).run(ranks.sharded_case, model, "float32")):
         check.that(res["kernels"], f"rank {r}: the communicator fell back")
         check.that(res["same_on_ranks"], f"rank {r}: tokens differ between ranks")
         check.that(res["tokens"] == res["ref_tokens"], f"rank {r}: tokens {res['tokens']} != {res['ref_tokens']}")
         check.that(res["logit_error"] <= 1e-4 * max(1.0, res["logit_scale"]),
                    f"rank {r}: logits off by {res['logit_error']:.3g} (of {res['logit_scale']:.3g})")
+        calls = [(layer, ops) for layer, ops in res["calls"]]
+        check.that(calls == expected, f"rank {r}: calls per layer and pass {calls}, expected {expected}")
     check.done()
 
 
@@ -37,7 +49,8 @@ def test_one_forward_pass_matches_and_leaves_the_model_whole(pool2, model):
         assert res["same_bits"] and res["original_untouched"], f"rank {r}: {res}"
 
 
-@pytest.mark.parametrize("what,word", [("heads", "num_attention_heads"), ("intermediate", "intermediate_size")])
+@pytest.mark.parametrize("what,word", [("heads", "num_attention_heads"), ("intermediate", "intermediate_size"),
+                                       ("minimax_experts", "intermediate_size")])
 def test_a_model_that_does_not_divide_is_refused(pool2, what, word):
     for r, res in enumerate(pool2.run(ranks.refused_case, what)):
         assert res is not None and res[0] == "ShardingError" and word in res[1], f"rank {r}: {res}"

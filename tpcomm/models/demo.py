@@ -14,13 +14,15 @@ again: prefill of the prompt and ``steps`` decode steps with the KV cache (``mod
   bf16's rounding of the hidden state moves them; it is reported, not failed, once the tokens agree on
   every rank).
 
-Prints a table; exit 1 on a mismatch. CPU ranks run the kernels under Triton's interpreter
-(``generate``). GPUs decode with a static KV cache, the steps after the first replayed from one CUDA
-graph (:func:`static_decode`; the reference the same loop, eagerly). On a machine with one GPU the ranks
-are loopback ranks (:mod:`tpcomm.loopback`, :func:`run_loopback`): one thread issues each step for every
-rank in turn, and the graph holds every rank's step, with a loop of the model's forward that reads
-nothing back to the host (``generate`` does, each step, which would hold the peers' launches back while
-a rank's kernel waits for them).
+Prints a table, then the communicator calls each decoder layer made per forward pass on rank 0
+(:class:`CallCounter`: e.g. MiniMax-M2's ``fused_qk_rmsnorm``, ``fused_add_rmsnorm`` and
+``fused_moe_finalize_add_rmsnorm``); exit 1 on a mismatch (tokens, or calls that differ between ranks).
+CPU ranks run the kernels under Triton's interpreter (``generate``). GPUs decode with a static KV cache, the
+steps after the first replayed from one CUDA graph (:func:`static_decode`; the reference the same loop,
+eagerly). On a machine with one GPU the ranks are loopback ranks (:mod:`tpcomm.loopback`,
+:func:`run_loopback`): one thread issues each step for every rank in turn, and the graph holds every rank's
+step, with a loop of the model's forward that reads nothing back to the host (``generate`` does, each step,
+which would hold the peers' launches back while a rank's kernel waits for them).
 """
 
 from __future__ import annotations
@@ -115,6 +117,43 @@ def make_model(cfg: ModelDemoConfig):
     return model.to(device=device, dtype=dtype).eval()
 
 
+class CallCounter:
+    """``comm`` seen through a counter: every public method called through it is counted under the
+    decoder layer running at the time (:meth:`watch`), or ``None`` outside the layers. Attributes pass
+    through (``rank``, ``world_size``), so a shard takes it in place of the communicator."""
+
+    def __init__(self, comm):
+        self._comm, self._layer, self.passes, self.counts = comm, None, 0, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            per = self.counts.setdefault(self._layer, {})
+            per[name] = per.get(name, 0) + 1
+            return attr(*args, **kwargs)
+        return call
+
+    def _enter(self, layer) -> None:
+        self._layer = layer
+
+    def watch(self, model):
+        """Count ``model``'s forward passes and attribute calls to its decoder layers; returns ``model``."""
+        model.model.register_forward_pre_hook(lambda *_: setattr(self, "passes", self.passes + 1))
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: self._enter(i))
+            layer.register_forward_hook(lambda *_: self._enter(None))
+        return model
+
+    def per_pass(self) -> list[tuple]:
+        """``[(layer, {method: calls per forward pass})]``, the layers in order, ``"other"`` last if any."""
+        keys = sorted(k for k in self.counts if k is not None) + ([None] if None in self.counts else [])
+        n = max(self.passes, 1)
+        return [("other" if k is None else k, {op: c / n for op, c in self.counts[k].items()}) for k in keys]
+
+
 def greedy(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens (steps,), logits (steps, vocab) float32)`` of greedy decoding with the KV cache."""
     with torch.inference_mode():
@@ -140,7 +179,8 @@ def run_rank(rank: int, world_size: int, cfg: ModelDemoConfig) -> dict:
         ref_tokens, ref_logits = greedy(model, prompt, cfg.steps)
     t_ref = time.perf_counter() - t0
     with Communicator() as comm:
-        tp = shard(model, comm)
+        counter = CallCounter(comm)
+        tp = counter.watch(shard(model, counter))
         t0 = time.perf_counter()
         if cuda:
             [(tokens, logits)] = static_decode([tp], prompt, cfg.steps, lambda fn: fn(0), graph=True)
@@ -154,12 +194,13 @@ def run_rank(rank: int, world_size: int, cfg: ModelDemoConfig) -> dict:
             torch.cuda.synchronize()
     same_on_ranks = all(torch.equal(t, gathered[0]) for t in gathered)
     return _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks, kernels, cfg.steps, t_ref, t_tp,
-                   _decode_mode(cuda, model.config, cfg))
+                   _decode_mode(cuda, model.config, cfg), counter.per_pass())
 
 
 def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels: bool, steps: int,
-            seconds_ref: float, seconds_tp: float, decode: str = "eager") -> dict:
-    """One rank's row of the report; ``decode``: how the decode steps ran (``eager``, ``CUDA graph``)."""
+            seconds_ref: float, seconds_tp: float, decode: str = "eager", calls: list | None = None) -> dict:
+    """One rank's row of the report; ``decode``: how the decode steps ran (``eager``, ``CUDA graph``);
+    ``calls``: :meth:`CallCounter.per_pass`."""
     agree = int((tokens == ref_tokens).long().cumprod(0).sum())  # steps equal before the first difference
     # logits are comparable up to and including the first step that differs (the same prefix before it)
     upto = min(agree + 1, steps)
@@ -167,7 +208,7 @@ def _result(tokens, logits, ref_tokens, ref_logits, same_on_ranks: bool, kernels
                 steps_agree=agree, first_diff=agree,
                 logit_error=float((logits[:upto] - ref_logits[:upto]).abs().max()),
                 logit_scale=float(ref_logits.abs().max()), kernels=kernels, seconds_ref=seconds_ref,
-                seconds_tp=seconds_tp, decode=decode)
+                seconds_tp=seconds_tp, decode=decode, calls=calls or [])
 
 
 def static_decode(models: list, prompt: torch.Tensor, steps: int, issue,
@@ -265,7 +306,8 @@ def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0,
     t_ref = time.perf_counter() - t0
     ranks = loopback_group(world_size, device, timeout_s=timeout_s)
     try:
-        shards = [shard(model, rank) for rank in ranks]
+        counters = [CallCounter(rank) for rank in ranks]
+        shards = [c.watch(shard(model, c)) for c in counters]
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         outs = static_decode(shards, prompt, cfg.steps, lambda fn: run_ranks(ranks, lambda rank: fn(rank.rank)),
@@ -279,8 +321,8 @@ def run_loopback(world_size: int, cfg: ModelDemoConfig, timeout_s: float = 60.0,
         close_group(ranks)
     same = all(torch.equal(o[0], outs[0][0]) for o in outs)
     mode = _decode_mode(graph, model.config, cfg)
-    return [_result(tokens, logits, ref_tokens, ref_logits, same, kernels, cfg.steps, t_ref, t_tp, mode)
-            for tokens, logits in outs]
+    return [_result(tokens, logits, ref_tokens, ref_logits, same, kernels, cfg.steps, t_ref, t_tp, mode,
+                    c.per_pass()) for (tokens, logits), c in zip(outs, counters)]
 
 
 def _decode_mode(graph: bool, config, cfg: ModelDemoConfig) -> str:
@@ -298,6 +340,8 @@ def verdict(cfg: ModelDemoConfig, per_rank: list[dict]) -> tuple[bool, list[str]
         why.append(f"float32 tokens differ from the unsharded model's from step {r0['first_diff']}")
     if not all(r["kernels"] for r in per_rank):
         why.append("the communicator fell back to torch.distributed")
+    if any(r.get("calls") != r0.get("calls") for r in per_rank):
+        why.append("the ranks made different communicator calls")
     return not why, why
 
 
@@ -346,6 +390,7 @@ def main(model: str = "llama", device: str | None = None, world_size: int | None
                                   "max logit error (up to the first difference)", "s (TP run)", "decode steps",
                                   "check"],
                    tablefmt="github"))
+    print(calls_table(results[0][1][0]["calls"]))
     for cfg, per_rank, ok, _ in results:
         r0 = per_rank[0]
         if cfg.dtype != "float32" and r0["steps_agree"] < cfg.steps:
@@ -353,3 +398,14 @@ def main(model: str = "llama", device: str | None = None, world_size: int | None
                   "(the partial sums round to bf16 in another order, and a greedy step flips where two "
                   "logits are closer than that moves them); every rank has the same tokens.")
     return 0 if all(ok for *_, ok, _ in results) else 1
+
+
+def calls_table(calls: list) -> str:
+    """:meth:`CallCounter.per_pass` of a rank as lines: the calls each layer made per forward pass."""
+    def n(x: float) -> str:
+        return f"{x:g}" if x == int(x) else f"{x:.2f}"
+    lines = ["communicator calls per forward pass (rank 0):"]
+    for layer, ops in calls:
+        name = f"layer {layer}" if layer != "other" else "outside the layers"
+        lines.append(f"  {name}: " + ", ".join(f"{op} x{n(c)}" for op, c in ops.items()))
+    return "\n".join(lines)

@@ -31,7 +31,7 @@ import types
 import torch
 from torch import nn
 
-from .sharding import ShardingError, norm_eps, shard_columns, shard_rows
+from .sharding import FusedNorm, ShardingError, norm_eps, shard_columns, shard_rows
 
 __all__ = ["GEMMA_LIKE", "LLAMA_LIKE", "ShardingError", "shard"]
 
@@ -70,29 +70,7 @@ def _check(model, world_size: int) -> tuple[str, int, int, int, int]:
     return kind, heads, kv_heads, inter, head_dim
 
 
-class _FusedNorm(nn.Module):
-    """A Llama RMSNorm whose input was already normalised by a fused call: given the residual that call
-    returned (the same tensor object), it returns the call's output; anything else it normalises
-    itself (the first layer's input)."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-        self.weight = norm.weight
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        self._given = None  # (residual, normalised)
-
-    def give(self, residual: torch.Tensor, normalised: torch.Tensor) -> None:
-        self._given = (residual, normalised)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        given, self._given = self._given, None
-        if given is not None and given[0] is x:
-            return given[1]
-        return self.norm(x)
-
-
-def _llama_layer_forward(comm, next_norm: _FusedNorm):
+def _llama_layer_forward(comm, next_norm: FusedNorm):
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
@@ -160,8 +138,8 @@ def shard(model, comm):
             layer.forward = types.MethodType(_gemma_layer_forward(comm), layer)
     if kind in LLAMA_LIKE:
         for n, layer in enumerate(layers):  # each layer hands its output to the next norm
-            layer.input_layernorm = _FusedNorm(layer.input_layernorm)
-        tp.model.norm = _FusedNorm(tp.model.norm)
+            layer.input_layernorm = FusedNorm(layer.input_layernorm)
+        tp.model.norm = FusedNorm(tp.model.norm)
         for n, layer in enumerate(layers):
             following = layers[n + 1].input_layernorm if n + 1 < len(layers) else tp.model.norm
             layer.forward = types.MethodType(_llama_layer_forward(comm, following), layer)

@@ -1,21 +1,24 @@
-"""MiniMax-M2 (``transformers``' ``MiniMaxM2ForCausalLM``) with its attention sharded over a tpcomm
-communicator.
+"""MiniMax-M2 (``transformers``' ``MiniMaxM2ForCausalLM``) with its attention and its experts sharded over a
+tpcomm communicator.
 
 MiniMax-M2's ``q_norm`` and ``k_norm`` are RMSNorms over the full width of the query and key projections
 (``num_heads * head_dim`` and ``num_kv_heads * head_dim``), not per head, so under tensor parallelism the
-mean of squares needs a sum over the ranks. :func:`shard`:
+mean of squares needs a sum over the ranks. :func:`shard`, per decoder layer:
 
 * attention heads split over the ranks (``q_proj``, ``k_proj``, ``v_proj`` by output rows; ``q_norm`` and
   ``k_norm`` weights by the same columns; ``o_proj`` by input columns), the two norms one
   ``comm.fused_qk_rmsnorm`` (:func:`_attention_forward`);
 * ``o_proj``'s partial sums, the residual add and ``post_attention_layernorm`` one
   ``comm.fused_add_rmsnorm`` (as :mod:`tpcomm.models.hf` does for Llama);
-* the MoE block replicated: every rank runs all of it on the whole normalised hidden state
-  (:func:`_moe`), so its output needs no sum. Sharding the experts is a change to :func:`_moe` and to
-  :func:`shard`'s expert weights alone.
+* the MoE block a :class:`tpcomm.models.moe.TensorParallelSparseMoe`: every expert on every rank with its
+  intermediate dimension split over the ranks, the router on every rank; the weighted sum over the
+  chosen experts, the sum over the ranks, the residual add and the NEXT layer's ``input_layernorm`` (the
+  model's final ``norm`` after the last layer) one ``comm.fused_moe_finalize_add_rmsnorm``, whose output
+  that norm module then returns (:class:`tpcomm.models.sharding.FusedNorm`, as for Llama).
 
-Embeddings, rotary embeddings, masks, the attention itself, the KV cache, the LM head and generation are
-the model's own code. Inference only; the original model is not modified.
+So a layer makes three fused calls and no other collective. Embeddings, rotary embeddings, masks, the
+attention itself, the KV cache, the LM head and generation are the model's own code. Inference only; the
+original model is not modified.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import types
 import torch
 from torch import nn
 
-from .sharding import ShardingError, norm_eps, shard_columns, shard_rows
+from .moe import TensorParallelSparseMoe
+from .sharding import FusedNorm, ShardingError, norm_eps, shard_columns, shard_rows
 
 #: Model types this module shards.
 MINIMAX_LIKE = ("minimax_m2",)
@@ -40,10 +44,11 @@ def _check(model, world_size: int) -> tuple[int, int, int]:
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     bad = [f"{name} = {value}" for name, value in (("num_attention_heads", heads),
-                                                   ("num_key_value_heads", kv_heads)) if value % world_size]
+                                                   ("num_key_value_heads", kv_heads),
+                                                   ("intermediate_size", cfg.intermediate_size)) if value % world_size]
     if bad:
         raise ShardingError(f"shard: {', '.join(bad)} not divisible by the world size {world_size}: attention "
-                            "heads are split evenly over the ranks")
+                            "heads and the experts' intermediate columns are split evenly over the ranks")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -88,15 +93,11 @@ def _attention_forward(comm):
     return forward
 
 
-def _moe(mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
-    """The MoE block, replicated: every rank runs every expert on the whole ``normed`` hidden state, so the
-    output is complete on every rank (no sum over the ranks)."""
-    return mlp(normed)
-
-
-def _layer_forward(comm):
+def _layer_forward(comm, next_norm: FusedNorm):
     """``MiniMaxM2DecoderLayer.forward`` of a shard: the attention's partial sum, the residual add and
-    ``post_attention_layernorm`` in one ``comm.fused_add_rmsnorm``, then the MoE block (:func:`_moe`)."""
+    ``post_attention_layernorm`` in one ``comm.fused_add_rmsnorm``; the MoE block (a
+    :class:`TensorParallelSparseMoe`) with its sum over the ranks, the residual add and ``next_norm`` in one
+    ``comm.fused_moe_finalize_add_rmsnorm``, handed to ``next_norm``. Returns the new residual stream."""
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 position_ids=None, cache=None, past_key_values=None, **kwargs) -> torch.Tensor:
         residual = hidden_states
@@ -106,24 +107,29 @@ def _layer_forward(comm):
                                     cache=cache if cache is not None else past_key_values, **kwargs)
         post = self.post_attention_layernorm
         normed, residual = comm.fused_add_rmsnorm(partial, residual, post.weight, eps=norm_eps(post))
-        return residual + _moe(self.mlp, normed)
+        normed, residual = self.mlp(normed, residual, next_norm.weight, next_norm.eps)
+        next_norm.give(residual, normed)
+        return residual
     return forward
 
 
-def shard(model, comm):
+def shard(model, comm, layout: str = "token"):
     """This rank's shard of a ``MiniMaxM2ForCausalLM`` over ``comm`` (a :class:`tpcomm.Communicator`): a deep
-    copy with the attention heads split and ``q_norm`` / ``k_norm`` in ``comm.fused_qk_rmsnorm`` (the
-    module docstring says what else). Collective: run it on every rank with the same model (the same
+    copy with the attention heads and the experts' intermediate columns split, and three fused calls a
+    layer (``comm.fused_qk_rmsnorm``, ``comm.fused_add_rmsnorm``, ``comm.fused_moe_finalize_add_rmsnorm``:
+    the module docstring says which steps each holds). Collective: run it on every rank with the same model (the same
     weights) and use the shard like the original (``.generate(...)``).
 
     Args:
         model: a ``transformers`` ``MiniMaxM2ForCausalLM`` on ``comm``'s device.
         comm: the tensor-parallel group's communicator (world size ``W``).
+        layout: how the experts' outputs reach the finalize, ``"token"`` or ``"permuted"``
+            (:class:`TensorParallelSparseMoe`; the same bits either way).
     Returns:
         The shard, in eval mode, parameters without gradients.
     Raises:
-        ShardingError (a ValueError): the heads or key-value heads are not divisible by ``W``, ``o_proj``
-            has a bias, or the model is not MiniMax-M2.
+        ShardingError (a ValueError): the heads, key-value heads or the experts' intermediate size are not
+            divisible by ``W``, ``o_proj`` has a bias, or the model is not MiniMax-M2.
     """
     W, r = comm.world_size, comm.rank
     heads, kv_heads, head_dim = _check(model, W)
@@ -131,7 +137,8 @@ def shard(model, comm):
     for p in tp.parameters():
         p.requires_grad_(False)
     q, kv = heads // W * head_dim, kv_heads // W * head_dim
-    for layer in tp.model.layers:
+    layers = tp.model.layers
+    for layer in layers:
         attn = layer.self_attn
         shard_rows(attn.q_proj, r * q, (r + 1) * q)
         shard_rows(attn.k_proj, r * kv, (r + 1) * kv)
@@ -140,5 +147,10 @@ def shard(model, comm):
         _slice_norm(attn.q_norm, r * q, (r + 1) * q)
         _slice_norm(attn.k_norm, r * kv, (r + 1) * kv)
         attn.forward = types.MethodType(_attention_forward(comm), attn)
-        layer.forward = types.MethodType(_layer_forward(comm), layer)
+        layer.mlp = TensorParallelSparseMoe(layer.mlp, comm, layout=layout)
+        layer.input_layernorm = FusedNorm(layer.input_layernorm)  # each layer hands its output to the next norm
+    tp.model.norm = FusedNorm(tp.model.norm)
+    for n, layer in enumerate(layers):
+        following = layers[n + 1].input_layernorm if n + 1 < len(layers) else tp.model.norm
+        layer.forward = types.MethodType(_layer_forward(comm, following), layer)
     return tp

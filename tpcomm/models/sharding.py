@@ -1,8 +1,10 @@
 """What the model shardings share (:mod:`tpcomm.models.hf`, :mod:`tpcomm.models.minimax_m2`,
-:mod:`tpcomm.models.moe`): the error, a ``Linear`` cut to its rows or columns in place, a norm's eps."""
+:mod:`tpcomm.models.moe`): the error, a ``Linear`` cut to its rows or columns in place, a norm's eps, a norm
+that hands on a fused call's output."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -25,3 +27,25 @@ def shard_columns(linear: nn.Linear, start: int, stop: int) -> None:
 
 def norm_eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+class FusedNorm(nn.Module):
+    """A Llama RMSNorm whose input was already normalised by a fused call: given the residual that call
+    returned (the same tensor object), it returns the call's output; anything else it normalises
+    itself (the first layer's input)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.weight = norm.weight
+        self.eps = norm_eps(norm)
+        self._given = None  # (residual, normalised)
+
+    def give(self, residual: torch.Tensor, normalised: torch.Tensor) -> None:
+        self._given = (residual, normalised)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        given, self._given = self._given, None
+        if given is not None and given[0] is x:
+            return given[1]
+        return self.norm(x)
