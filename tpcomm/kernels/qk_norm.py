@@ -300,7 +300,9 @@ def rms_norm_from_total_reference(x, weight, total, width: int, eps: float):
 
 
 def fused_qk_rmsnorm_reference(qs, ks, q_weights, k_weights, eps: float = 1e-6):
-    """The contract's outputs of every rank, from every rank's inputs (lists in rank order): the partial
+    """The full-width QK norm's outputs of every rank, in plain torch, from every rank's inputs: ``qs`` /
+    ``ks`` the ranks' ``(T, Hq)`` / ``(T, Hk)`` columns and ``q_weights`` / ``k_weights`` their weight
+    slices, lists in rank order. The contract (docs/numerics.md, "Full-width QK norm"): the partial
     sums (:func:`qk_partial_sums_reference`) summed in rank order in float32 from +0.0
     (:func:`tpcomm.reduce_in_rank_order`), then each rank's columns normalised over the full widths
     (:func:`rms_norm_from_total_reference`). Returns ``[(q_out, k_out)]`` per rank."""
