@@ -501,6 +501,8 @@ class Communicator(SetUp):
     def __repr__(self) -> str:
         if self._closed:
             how = "closed"
+        elif self.workspace is not None and self.workspace.error_code():
+            how = "failed: every call raises the recorded error (check()); create a new communicator"
         elif self.workspace is None:
             how = f"fallback ({self.fallback_reason})"
         elif self.algorithm == "fallback":

@@ -192,7 +192,8 @@ def fault_case(ctx, fault: str, algo: str | None, timeout_s: float) -> dict:
                             else f"{what} (its values happen to be right)")
         elapsed = time.perf_counter() - t0
         agains = {}
-        if seen is not None:  # a call, an empty call and a fallback call: each raises at once, nothing runs
+        if seen is not None:  # repr says so; a call, an empty call and a fallback call each raise at once
+            agains["repr"] = repr(comm)
 
             def fallback_call():
                 with comm.use_algorithm("fallback"):

@@ -74,6 +74,7 @@ def test_fault_raises_the_named_error_on_every_waiting_rank(faults, fault, algo)
             check.that(again is not None and again["isinstance"] and again["seconds"] < MARGIN_S,
                        f"rank {r}: the next {what} on the same communicator raised {again}; expected "
                        "PeerTimeoutError at once (the communicator is unusable)")
+        check.that("failed" in res.get("repr", ""), f"rank {r}: repr after the failure: {res.get('repr')!r}")
     check.done()
 
 
