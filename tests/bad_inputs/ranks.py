@@ -732,6 +732,78 @@ def _(k):
     return ["no exception"]
 
 
+# the full-width QK norm and the MoE finalize: their own arguments -----------------------------------------------
+def _qk_bad(k, T=4, q=None, kk=None, q_weight=None, k_weight=None, eps=1e-6, **outs) -> list:
+    """``fused_qk_rmsnorm`` of q ``(T, 32)`` and k ``(T, 16)`` bf16 with one argument replaced (a callable
+    of the good tensors, or a value); a good call returns zero-row outputs of the right shapes."""
+    d, bf = k.device, torch.bfloat16
+    good = dict(q=torch.ones(T, 32, dtype=bf, device=d), k=torch.ones(T, 16, dtype=bf, device=d),
+                q_weight=torch.ones(32, dtype=bf, device=d), k_weight=torch.ones(16, dtype=bf, device=d))
+    args = {n: (f(good) if callable(f) else f) if f is not None else good[n]
+            for n, f in (("q", q), ("k", kk), ("q_weight", q_weight), ("k_weight", k_weight))}
+    outs = {n: f(args) for n, f in outs.items()}
+    qo, ko = k.comm().fused_qk_rmsnorm(args["q"], args["k"], args["q_weight"], args["k_weight"], eps, **outs)
+    if T:
+        return ["no exception"]
+    return [] if (tuple(qo.shape), tuple(ko.shape)) == ((0, 32), (0, 16)) else [f"shapes {qo.shape}, {ko.shape}"]
+
+
+CASES["qk q float64"] = lambda k: _qk_bad(k, q=lambda g: g["q"].double())
+CASES["qk k float32, q bfloat16"] = lambda k: _qk_bad(k, kk=lambda g: g["k"].float())
+CASES["qk q 3-D (T, heads, head_dim)"] = lambda k: _qk_bad(k, q=lambda g: g["q"].view(4, 2, 16))
+CASES["qk k (T - 1, Hk)"] = lambda k: _qk_bad(k, kk=lambda g: g["k"][:3])
+CASES["qk q_weight (Hq - 1,)"] = lambda k: _qk_bad(k, q_weight=lambda g: g["q_weight"][:31])
+CASES["qk k_weight float16, k bfloat16"] = lambda k: _qk_bad(k, k_weight=lambda g: g["k_weight"].half())
+CASES["qk eps -1"] = lambda k: _qk_bad(k, eps=-1.0)
+CASES["qk q_out of k's shape"] = lambda k: _qk_bad(k, q_out=lambda a: torch.empty_like(a["k"]))
+CASES["qk q_out overlapping k"] = lambda k: _qk_bad(k, q=lambda g: g["q"][:, :16], q_weight=lambda g: g["k_weight"],
+                                                  q_out=lambda a: a["k"])
+CASES["qk zero tokens (0, H)"] = lambda k: _qk_bad(k, T=0)
+
+
+def _moe_bad(k, finalize_only=False, T=3, **change) -> list:
+    """``fused_moe_finalize_add_rmsnorm`` (or ``tpcomm.moe_finalize``) of T tokens, K = 2 slots, H = 32 bf16
+    in the permuted layout with a shared output, one argument replaced (a callable of the good ones)."""
+    import tpcomm
+
+    d, bf = k.device, torch.bfloat16
+    args = dict(expert_out=torch.ones(T * 2, 32, dtype=bf, device=d), topk_weights=torch.ones(T, 2, device=d),
+                index=torch.arange(T * 2, dtype=torch.int32, device=d).view(T, 2),
+                shared_out=torch.ones(T, 32, dtype=bf, device=d), residual=torch.ones(T, 32, dtype=bf, device=d),
+                weight=torch.ones(32, dtype=bf, device=d), scaling=1.0)
+    args.update({n: f(args) for n, f in change.items()})
+    if finalize_only:
+        del args["residual"], args["weight"]
+        outs = [tpcomm.moe_finalize(**args)]
+    else:
+        outs = k.comm().fused_moe_finalize_add_rmsnorm(**args)
+    if T:
+        return ["no exception"]
+    return [] if all(tuple(o.shape) == (0, 32) for o in outs) else [f"shapes {[o.shape for o in outs]}"]
+
+
+CASES["moe expert_out float64"] = lambda k: _moe_bad(k, expert_out=lambda a: a["expert_out"].double())
+CASES["moe expert_out (T, K, H) with an index"] = lambda k: _moe_bad(
+    k, expert_out=lambda a: a["expert_out"].view(3, 2, 32))
+CASES["moe expert_out (M, H) without an index"] = lambda k: _moe_bad(k, index=lambda a: None)
+CASES["moe topk_weights (T, K + 1)"] = lambda k: _moe_bad(k, topk_weights=lambda a: torch.ones(3, 3, device=k.device))
+CASES["moe topk_weights int32"] = lambda k: _moe_bad(k, topk_weights=lambda a: a["topk_weights"].int())
+CASES["moe index float32"] = lambda k: _moe_bad(k, index=lambda a: a["index"].float())
+CASES["moe index (T, K + 1)"] = lambda k: _moe_bad(k, index=lambda a: torch.zeros(3, 3, dtype=torch.int32,
+                                                                                   device=k.device))
+CASES["moe shared_out (T, H - 1)"] = lambda k: _moe_bad(k, shared_out=lambda a: a["shared_out"][:, :31])
+CASES["moe shared_out float16, expert_out bfloat16"] = lambda k: _moe_bad(
+    k, shared_out=lambda a: a["shared_out"].half())
+CASES["moe scaling inf"] = lambda k: _moe_bad(k, scaling=lambda a: float("inf"))
+CASES["moe residual (T - 1, H)"] = lambda k: _moe_bad(k, residual=lambda a: a["residual"][:2])
+CASES["moe weight (H - 1,)"] = lambda k: _moe_bad(k, weight=lambda a: a["weight"][:31])
+CASES["moe zero tokens (0, H)"] = lambda k: _moe_bad(k, T=0)
+CASES["moe_finalize topk_weights (T, K + 1)"] = lambda k: _moe_bad(k, True, topk_weights=lambda a: torch.ones(
+    3, 3, device=k.device))
+CASES["moe_finalize index int16"] = lambda k: _moe_bad(k, True, index=lambda a: a["index"].short())
+CASES["moe_finalize zero tokens (0, H)"] = lambda k: _moe_bad(k, True, T=0)
+
+
 # devices (GPU only) ----------------------------------------------------------------------------------------------
 def _on(k: Kit, which: str) -> torch.device:
     """``cpu``, or the other GPU of a 2-GPU machine."""
@@ -884,6 +956,7 @@ def raises(exc: type, arg: str, op: str) -> dict:
 
 
 AR, FU = "all_reduce", "fused_add_rmsnorm"
+QK, MOE = "fused_qk_rmsnorm", "fused_moe_finalize_add_rmsnorm"
 EXPECTED: dict[str, dict] = {
     "all_reduce int32 x": result(1, GATHERED),
     "all_reduce int64 x": result(1, GATHERED),
@@ -950,6 +1023,32 @@ EXPECTED: dict[str, dict] = {
     "all_gather dim out of range": raises(ValueError, "dim", "all_gather"),
     "reduce_scatter dim not an int": raises(TypeError, "dim", "reduce_scatter"),
     "reduce_scatter float8_e4m3fn x": raises(TypeError, "x", "reduce_scatter"),
+    "qk q float64": raises(TypeError, "q", QK),
+    "qk k float32, q bfloat16": raises(TypeError, "k", QK),
+    "qk q 3-D (T, heads, head_dim)": raises(ValueError, "q", QK),
+    "qk k (T - 1, Hk)": raises(ValueError, "k", QK),
+    "qk q_weight (Hq - 1,)": raises(ValueError, "q_weight", QK),
+    "qk k_weight float16, k bfloat16": raises(TypeError, "k_weight", QK),
+    "qk eps -1": raises(ValueError, "eps", QK),
+    "qk q_out of k's shape": raises(ValueError, "q_out", QK),
+    "qk q_out overlapping k": raises(ValueError, "q_out", QK),
+    "qk zero tokens (0, H)": result(0, EMPTY),
+    "moe expert_out float64": raises(TypeError, "expert_out", MOE),
+    "moe expert_out (T, K, H) with an index": raises(ValueError, "expert_out", MOE),
+    "moe expert_out (M, H) without an index": raises(ValueError, "expert_out", MOE),
+    "moe topk_weights (T, K + 1)": raises(ValueError, "topk_weights", MOE),
+    "moe topk_weights int32": raises(TypeError, "topk_weights", MOE),
+    "moe index float32": raises(TypeError, "index", MOE),
+    "moe index (T, K + 1)": raises(ValueError, "index", MOE),
+    "moe shared_out (T, H - 1)": raises(ValueError, "shared_out", MOE),
+    "moe shared_out float16, expert_out bfloat16": raises(TypeError, "shared_out", MOE),
+    "moe scaling inf": raises(ValueError, "scaling", MOE),
+    "moe residual (T - 1, H)": raises(ValueError, "residual", MOE),
+    "moe weight (H - 1,)": raises(ValueError, "weight", MOE),
+    "moe zero tokens (0, H)": result(0, EMPTY),
+    "moe_finalize topk_weights (T, K + 1)": raises(ValueError, "topk_weights", "moe_finalize"),
+    "moe_finalize index int16": raises(TypeError, "index", "moe_finalize"),
+    "moe_finalize zero tokens (0, H)": result(0, EMPTY),
 }
 
 #: GPU-only cases: every tensor argument on the CPU or on the other GPU is refused, naming it.
@@ -978,7 +1077,8 @@ def describe(outcome: dict) -> str:
 def doc_row(name: str, outcome: dict, gpu: bool = False) -> str:
     """The row of ``name`` in the table of docs/reliability.md: op, input, what happens."""
     for prefix, op in (("all_reduce ", "all_reduce"), ("all_gather ", "all_gather"),
-                       ("reduce_scatter ", "reduce_scatter"), ("fused ", "fused_add_rmsnorm")):
+                       ("reduce_scatter ", "reduce_scatter"), ("fused ", "fused_add_rmsnorm"), ("qk ", QK),
+                       ("moe ", MOE), ("moe_finalize ", "moe_finalize")):
         if name.startswith(prefix):
             return _row(op, name[len(prefix):], outcome, gpu, name)
     return _row("all_reduce and fused (with and without residual)", name, outcome, gpu, name)

@@ -5,7 +5,8 @@ For every case, on each rank: the fused call's outputs (``out``, ``residual_out`
 and scales) equal the documented unfused composition ``comm.fused_add_rmsnorm(tpcomm.moe_finalize(...),
 ...)`` bit for bit, every rank holds the same bits, and the composition's ``residual_out`` and ``out``
 equal a plain-torch oracle (``moe_finalize_reference`` per rank, ``reduce_in_rank_order``,
-``add_rmsnorm_reference``), which is exact to the bit. The standalone op equals its plain-torch oracle.
+``add_rmsnorm_reference``), which is exact to the bit. The standalone op equals its plain-torch oracle. The
+``tpcomm.ops`` forms equal the methods, eagerly and under ``torch.compile(fullgraph=True)``.
 
 The interpreter is slow, so the dimensions (world size 2 / 3 / 4, algorithm, dtype, K in {1, 2, 8}, both
 layouts, ``shared_out``, every quant form, H in {3072, 7168, 2880, 130}, T from 1 to 513, chunked
@@ -320,4 +321,46 @@ def test_ops_equal_the_method(pool2, case):
                 _same(check, got, want, f"rank {r}: op call {k + 1}, output {i}")
         check(assert_same_bits, res["x_op"], res["x"], f"rank {r}: tpcomm::moe_finalize")
         check.that(res["meta"] == res["real"], f"rank {r}: fake outputs {res['meta']} != real {res['real']}")
+    check.done()
+
+
+def compiled_case(ctx, case: MoeCase) -> dict:
+    """``tops.moe_finalize`` and ``tops.fused_moe_finalize_add_rmsnorm`` (unquantised, and with an FP8
+    output) inside one ``torch.compile(fullgraph=True)`` function (``aot_eager``), and the eager methods on
+    the same inputs."""
+    import tpcomm.ops as tops
+
+    comm = ctx.comm()
+    args = moe_inputs(case, ctx.rank)
+    residual, weight = _norm_args(case)
+    qkw = dict(quant="fp8_per_token", emit_unquantized=True)
+
+    def model(expert_out, topk_weights, index, shared_out, residual):
+        moe = dict(index=index, shared_out=shared_out, scaling=case.scaling)
+        x = tops.moe_finalize(expert_out, topk_weights, **moe)
+        plain = tops.fused_moe_finalize_add_rmsnorm(comm, expert_out, topk_weights, residual, weight, **moe)
+        quant = tops.fused_moe_finalize_add_rmsnorm(comm, expert_out, topk_weights, residual, weight, **moe, **qkw)
+        return x, plain, quant
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x, plain, quant = compiled(args["expert_out"], args["topk_weights"], args["index"], args["shared_out"], residual)
+    eager = dict(x=tpcomm.moe_finalize(**args),
+                 plain=comm.fused_moe_finalize_add_rmsnorm(residual=residual, weight=weight, **args),
+                 quant=comm.fused_moe_finalize_add_rmsnorm(residual=residual, weight=weight, **args, **qkw))
+    return dict(compiled=dict(x=x, plain=_picklable(plain), quant=_picklable(quant)),
+                eager={k: v if k == "x" else _picklable(v) for k, v in eager.items()})
+
+
+def test_ops_under_torch_compile(pool2):
+    """The MoE ops under torch.compile(fullgraph=True): the eager methods' bits (the permuted layout with a
+    shared output and a scaling; unquantised and FP8 per token with the unquantised output)."""
+    case = _c(24, 2, "auto", BF16, 3, 2, 130, perm=True, shared=True, scaling=1.5)
+    check = Checks()
+    for r, res in enumerate(pool2.run(compiled_case, case)):
+        got, want = res["compiled"], res["eager"]
+        check(assert_same_bits, got["x"], want["x"], f"rank {r}: moe_finalize")
+        for form in ("plain", "quant"):
+            check.that(len(got[form]) == len(want[form]), f"rank {r}: {form}: {len(got[form])} outputs")
+            for i, (g, w) in enumerate(zip(got[form], want[form])):
+                _same(check, g, w, f"rank {r}: {form} output {i}")
     check.done()

@@ -334,13 +334,13 @@ def registry_case(ctx):
     return result
 
 
-def warmup_case(ctx, shapes, ops=None):
+def warmup_case(ctx, shapes, ops=None, **kw):
     """``tpcomm.graphs.warmup`` on a fresh communicator (its default ops, or ``ops``): the calls it made,
     and whether each later call of the same signatures (new tensors, through the ops) counts as warmed,
     while another shape does not. ``capture_guard`` on CPU: entered and left (no capture), refusing a
     closed communicator. Returns a dict."""
     comm = tpcomm.Communicator()
-    calls = tgraphs.warmup(comm, shapes, dtypes=(torch.bfloat16,), **({"ops": ops} if ops else {}))
+    calls = tgraphs.warmup(comm, shapes, dtypes=(torch.bfloat16,), **({"ops": ops} if ops else {}), **kw)
     warmed = tgraphs.warmed(comm)
     sig = lambda op, *ts: (op,) + tuple((tuple(t.shape), t.dtype, True) if t is not None else None for t in ts)  # noqa: E731
     x = torch.zeros(shapes[0], dtype=torch.bfloat16)
@@ -361,6 +361,46 @@ def warmup_case(ctx, shapes, ops=None):
     return {"calls": calls, "count": len(warmed), "seen": seen, "guard": guard is not None,
             "scale_shapes": scale_shapes, "inside": inside.shape == x.shape,
             "closed": raised(lambda: tgraphs.capture_guard(comm).__enter__())}
+
+
+def warmup_qk_moe_case(ctx):
+    """``tpcomm.graphs.warmup`` of the QK norm (``k_width``) and the MoE ops (``topk``, the permuted
+    layout with an int32 index, a shared output) for two token counts, then a model's calls through the
+    ops with new tensors of those shapes: how many signatures each adds (0: the capture guard accepts
+    it). Returns a dict."""
+    comm = tpcomm.Communicator()
+    ops = ("fused_qk_rmsnorm", "fused_moe_finalize_add_rmsnorm", "moe_finalize")
+    calls = tgraphs.warmup(comm, [(2, 64), (1, 64)], ops=ops, k_width=32, topk=2, moe_index=torch.int32,
+                           moe_shared=True)
+    count = len(tgraphs.warmed(comm))
+    g = torch.Generator().manual_seed(ctx.rank)
+    bf = dict(dtype=torch.bfloat16)
+
+    def added(fn) -> int:
+        before = len(tgraphs.warmed(comm))
+        fn()
+        return len(tgraphs.warmed(comm)) - before
+
+    def moe(T, K, perm=True, **kw):
+        e = torch.randn((T * K, 64) if perm else (T, K, 64), generator=g).to(torch.bfloat16)
+        index = torch.randperm(T * K, generator=g).to(torch.int32).view(T, K) if perm else None
+        return tops.fused_moe_finalize_add_rmsnorm(
+            comm, e, torch.rand((T, K), generator=g), torch.randn((T, 64), generator=g).to(torch.bfloat16),
+            torch.ones(64, **bf), index=index, shared_out=torch.randn((T, 64), generator=g).to(torch.bfloat16), **kw)
+
+    qk = lambda T, Hk: tops.fused_qk_rmsnorm(comm, torch.randn((T, 64), generator=g).to(torch.bfloat16),  # noqa: E731
+                                             torch.randn((T, Hk), generator=g).to(torch.bfloat16),
+                                             torch.ones(64, **bf), torch.ones(Hk, **bf))
+    result = {"calls": calls, "count": count,
+              "qk": [added(lambda: qk(2, 32)), added(lambda: qk(1, 32))],
+              "moe": [added(lambda: moe(2, 2, scaling=2.5)), added(lambda: moe(1, 2))],
+              "qk_other_k": added(lambda: qk(2, 16)),
+              "moe_other_K": added(lambda: moe(2, 3)),
+              "moe_token_order": added(lambda: moe(2, 2, perm=False)),
+              "no_topk": raised(lambda: tgraphs.warmup(comm, [(2, 64)], ops=("moe_finalize",))),
+              "not_2d": raised(lambda: tgraphs.warmup(comm, [(1, 2, 64)], ops=("fused_qk_rmsnorm",)))}
+    comm.close()
+    return result
 
 
 # -- test_example_tp_decoder -------------------------------------------------------------------------------

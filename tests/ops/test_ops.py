@@ -152,8 +152,21 @@ def test_warmup_records_signatures_and_guard_on_cpu(pool2):
 def test_warmup_covers_every_op(pool2):
     """Every op of tpcomm.ops can be warmed up, the FP8 forms and the gathers included: one call and one
     recorded signature each; a static scale of another shape than the warm-up's is the same signature."""
-    results = pool2.run(ranks.warmup_case, [(2, 128)], tgraphs.WARMUP_OPS)
+    results = pool2.run(ranks.warmup_case, [(2, 128)], tgraphs.WARMUP_OPS, topk=2)
     for got in results:
-        n = len(tgraphs.WARMUP_OPS)
-        assert got["calls"] == n and got["count"] == n, got
+        n = len(tgraphs.WARMUP_OPS)  # moe_finalize is local: no communicator, no signature
+        assert got["calls"] == n and got["count"] == n - 1, got
         assert got["scale_shapes"] == 0, f"scales of shape () and (1, 1) added {got['scale_shapes']} signatures"
+
+
+def test_warmup_qk_norm_and_moe(pool2):
+    """warmup of the QK norm (q's width from the shape, k's from k_width) and the MoE ops (topk, the
+    permuted layout, a shared output): a model's later calls of those shapes through the ops, with new
+    tensors and another scaling, add no signature (the capture guard accepts them); another k width, K
+    or layout does. Without topk, or with a shape not (T, H), warmup refuses."""
+    for got in pool2.run(ranks.warmup_qk_moe_case):
+        assert got["calls"] == 6 and got["count"] == 4, got  # moe_finalize records no signature
+        assert got["qk"] == [0, 0] and got["moe"] == [0, 0], got
+        assert got["qk_other_k"] == 1 and got["moe_other_K"] == 1 and got["moe_token_order"] == 1, got
+        assert got["no_topk"][0] == "ValueError" and "topk" in got["no_topk"][1]
+        assert got["not_2d"][0] == "ValueError" and "(T, H)" in got["not_2d"][1]
