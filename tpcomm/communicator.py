@@ -300,7 +300,9 @@ class Communicator(SetUp):
         ``hidden`` is the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for
         ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
         :func:`tpcomm.dispatch.all_reduce_width`). :func:`tpcomm.dispatch.plan_call` decides; plans are
-        cached per shape.
+        cached per shape. ``fused_moe_finalize_add_rmsnorm`` takes the plan of ``fused_add_rmsnorm`` of
+        its ``(T, H)`` output; ``fused_qk_rmsnorm`` has one kernel (Lamport's buffers), or the fallback
+        where the communicator has no workspace.
 
         Raises:
             ValueError: ``op`` is not one of ``tpcomm.dispatch.OPS``, or ``nbytes`` or ``hidden`` is
