@@ -221,6 +221,23 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
                   None if scales_out is None else scales_out.device)
 
 
+def qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, algorithm: str) -> tuple | None:
+    """Key of ``fused_qk_rmsnorm``: contiguous tensors only (a packed QKV view takes the full path, whose
+    overlap test knows row strides), their shapes, dtypes and devices, which of them are one object, and
+    ``eps`` with its type."""
+    tensors = (q, k, q_weight, k_weight, q_out, k_out)
+    for t in tensors:
+        if t is not None and (t.__class__ not in _PLAIN or t.is_neg() or not t.is_contiguous()):
+            return None
+    ids = [None if t is None else id(t) for t in tensors]
+    same = tuple(None if i is None else ids.index(i) for i in ids)  # each tensor's first slot of its object
+    return ("fused_qk_rmsnorm", q.shape, q.dtype, q.device, k.shape, k.dtype, q_weight.dtype, k_weight.dtype,
+            q_weight.shape, k_weight.shape, q_weight.device, k_weight.device, k.device,
+            None if q_out is None else (q_out.shape, q_out.dtype, q_out.device),
+            None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
+            eps.__class__, eps, algorithm, same)
+
+
 def dim_key(op: str, x, dim, algorithm: str) -> tuple | None:
     """Key of ``all_gather`` / ``reduce_scatter``."""
     if x.__class__ not in _PLAIN or x.is_neg():
@@ -275,6 +292,23 @@ def fused_spec(tensors: tuple, returned: tuple, given: tuple, quant: str | None,
                    inputs=tuple(j for j in (0, 1, 2, 7) if tensors[j] is not None), in_place=in_place,
                    result=result, positive_scale=7 if scale is not None and not cuda else None,
                    static_scale=quant == "fp8_static")
+
+
+#: The parameters of a QK norm call's repeat, which are also its slots 0-5.
+QK_ARGS = ("q", "k", "q_weight", "k_weight", "q_out", "k_out")
+
+
+def qk_spec(tensors: tuple, given: tuple) -> HitSpec:
+    """The repeat of a ``fused_qk_rmsnorm`` call; ``tensors``: its ``(q, k, q_weight, k_weight, q_out,
+    k_out)``, ``given``: whether the caller passed ``q_out`` and ``k_out``. A given output may be its
+    input's very memory (in place) and overlap nothing else."""
+    sources = [("arg", name) for name in QK_ARGS[:4]]
+    for j, passed in ((4, given[0]), (5, given[1])):
+        sources.append(("arg", QK_ARGS[j]) if passed else ("new", layout(tensors[j], tensors[0])))
+    outputs = tuple(j for j, passed in ((4, given[0]), (5, given[1])) if passed)
+    in_place = tuple(pair for pair, passed in (((4, 0), given[0]), ((5, 1), given[1])) if passed)
+    return HitSpec("fused_qk_rmsnorm", QK_ARGS, tuple(sources), given=outputs, inputs=(0, 1, 2, 3),
+                   in_place=in_place, result=(4, 5))
 
 
 def dim_spec(op: str, x, out) -> HitSpec:

@@ -216,7 +216,16 @@ class Communicator(SetUp):
         per-token sums of squares summed over the ranks in rank order in float32, so every rank scales a
         token by the same bits. Plain torch: ``rms_norm(q_full, w_q, eps)[:, this rank's columns]``.
         Arguments, returns and raises: :func:`tpcomm.collectives.qk_norm.fused_qk_rmsnorm`."""
-        return qk_norm.fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out)
+        key = call_cache.qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, self.algorithm)
+        try:
+            entry = self._calls.lookup(key)
+        except TypeError:  # an unhashable argument (e.g. a list for eps): the full path names it
+            entry = None
+        if entry is not None and not self._closed:
+            outs = entry.hit(self, q, k, q_weight, k_weight, q_out, k_out)
+            if outs is not None:
+                return outs
+        return qk_norm.fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out, key=key)
 
     def fused_moe_finalize_add_rmsnorm(self, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                                        residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *,

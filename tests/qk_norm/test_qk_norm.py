@@ -93,6 +93,33 @@ def views_body(ctx, T, Hq, Hk, dtype):
     return new, given, untouched, in_place, compiled(qs[r], ks[r])
 
 
+def repeats_body(ctx, T, Hq, Hk, dtype):
+    """Contiguous q and k called three times (the first records, the next two repeat it with new tensors of
+    the same shapes), with new outputs, given ones and in place; a repeat whose given output overlaps an
+    input; packed views (never recorded). Returns the outputs, the cache sizes, what the overlapping call
+    raised and the entries the packed call added."""
+    comm = ctx.comm()
+    W, r = ctx.world_size, ctx.rank
+    results, sizes, start = [], [], len(comm._calls)
+    for seed in (11, 12, 13):
+        qs, ks, wq, wk = _case_inputs(seed, W, T, Hq, Hk, dtype, False)
+        q, k = qs[r].clone(), ks[r].clone()
+        new = comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS)
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        given = comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS, q_out=qo, k_out=ko)
+        comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS, q_out=q, k_out=k)
+        results.append((new, given, (q, k)))
+        sizes.append(len(comm._calls) - start)
+    q = torch.randn(T, Hq, dtype=dtype)
+    buf = torch.randn(T * max(Hq, Hk), dtype=dtype)
+    k, qo, ko = buf[: T * Hk].view(T, Hk), buf[: T * Hq].view(T, Hq), torch.empty(T, Hk, dtype=dtype)
+    overlap = raised(lambda: comm.fused_qk_rmsnorm(q, k, wq[r], wk[r], EPS, q_out=qo, k_out=ko))  # q_out over k
+    qkv = torch.cat([q, k], dim=1)
+    before = len(comm._calls)
+    comm.fused_qk_rmsnorm(qkv[:, :Hq], qkv[:, Hq:], wq[r], wk[r], EPS)
+    return results, sizes, overlap, len(comm._calls) - before
+
+
 def bad_inputs_body(ctx):
     """Local bad inputs: ``(type name, message)`` of each (every rank raises alike, nothing exchanged)."""
     comm = ctx.comm()
@@ -195,6 +222,27 @@ def test_packed_views_in_place_and_compiled(pool2):
             check(assert_same_bits, got[0], ref[r][0], f"rank {r} {name} q_out")
             check(assert_same_bits, got[1], ref[r][1], f"rank {r} {name} k_out")
         check.that(untouched and in_place[2], f"rank {r}: columns beside the outputs were written")
+    check.done()
+
+
+def test_repeats_give_the_first_calls_bits(pool2):
+    """A repeated call of the same shapes (the call cache's recorded launches) with new tensors gives the
+    reference's bits with new outputs, given ones and in place; one entry per form; a given output that
+    overlaps another input on a repeat is refused as on a first call; packed views are not recorded."""
+    T, Hq, Hk, dtype = 3, 64, 32, BF16
+    results = pool2.run(repeats_body, T, Hq, Hk, dtype)
+    check = Checks()
+    for r, (calls, sizes, overlap, packed_entries) in enumerate(results):
+        for seed, (new, given, in_place) in zip((11, 12, 13), calls):
+            qs, ks, wq, wk = _case_inputs(seed, 2, T, Hq, Hk, dtype, False)
+            ref = fused_qk_rmsnorm_reference(qs, ks, wq, wk, EPS)[r]
+            for name, got in (("new", new), ("given", given), ("in place", in_place)):
+                check(assert_same_bits, got[0], ref[0], f"rank {r} seed {seed} {name} q_out")
+                check(assert_same_bits, got[1], ref[1], f"rank {r} seed {seed} {name} k_out")
+        check.that(sizes == [3, 3, 3], f"rank {r}: entries added {sizes}, expected three once recorded")
+        check.that(overlap is not None and "shares memory" in overlap[1],
+                   f"rank {r}: an output over k on a repeat gave {overlap}")
+        check.that(packed_entries == 0, f"rank {r}: packed views were recorded ({packed_entries} entries)")
     check.done()
 
 

@@ -23,7 +23,7 @@ import numbers
 import numpy as np
 import torch
 
-from .. import dispatch
+from .. import call_cache, dispatch
 from ..env import interpreter_enabled
 from ..kernels.qk_norm import (
     qk_norm_call,
@@ -40,7 +40,7 @@ OP = "fused_qk_rmsnorm"
 
 def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      eps: float = 1e-6, *, q_out: torch.Tensor | None = None,
-                     k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_out: torch.Tensor | None = None, key=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``q`` and ``k`` over their full width (every rank's columns), on communicator ``comm``.
 
     Collective: every rank calls it with the same ``T``, widths, dtype and ``eps`` (a peer with another
@@ -76,6 +76,7 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
             not arrive within the timeout (this or an earlier call).
     """
     comm._check_open(OP)
+    given = (q_out is not None, k_out is not None)
     eps = _check_inputs(q, k, q_weight, k_weight, eps, comm.device)
     q, k = _readable(q), _readable(k)
     q_weight, k_weight = q_weight.resolve_neg().contiguous(), k_weight.resolve_neg().contiguous()
@@ -85,7 +86,7 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     if _plan(comm) == "fallback":
         _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out)
     else:
-        _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out)
+        _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given, key)
     return q_out, k_out
 
 
@@ -193,8 +194,9 @@ def _plan(comm) -> str:
 
 
 # -- 4. launch ---------------------------------------------------------------------------------------------
-def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out) -> None:
-    """The kernel over every row, in launches of what one Lamport slot holds (8 bytes a row)."""
+def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given=(False, False), key=None) -> None:
+    """The kernel over every row, in launches of what one Lamport slot holds (8 bytes a row); a call of one
+    launch on the caller's own tensors is recorded under ``key`` (:mod:`tpcomm.call_cache`)."""
     ws = comm.workspace
     T, Hq, Hk = q.shape[0], q.shape[1], k.shape[1]
     in_place = _same(q_out, q) or _same(k_out, k)  # a barrier between a tile's reads and its writes
@@ -208,7 +210,11 @@ def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out) -> None:
         piece = (lambda t: t) if r0 == 0 and r1 == T else (lambda t: t[r0:r1])
         launches.append(qk_norm_call(piece(q), piece(k), q_weight, k_weight, piece(q_out), piece(k_out), ws, eps,
                                      sig, in_place, cfg_q, cfg_k, rows))
-    comm._run(OP, launches)
+    launched = [] if key is not None and len(launches) == 1 else None
+    comm._run(OP, launches, record=launched)
+    if launched:
+        tensors = (q, k, q_weight, k_weight, q_out, k_out)
+        comm._remember(key, launched, tensors, call_cache.qk_spec(tensors, given))
 
 
 # -- 5. fallback -------------------------------------------------------------------------------------------
