@@ -49,12 +49,11 @@ from .epilogue import (
 from .launch import KernelCall
 from .moe import finalize_kwargs, finalize_tile
 from .quant import widen
-from .spin import spin_vectors, tag_low, tag_value, words_to_elems
+from .spin import spin_vectors, tag_low, tag_value, wait_peer, words_to_elems
 from .sync import (
     ERR_MISMATCH,
     ERR_TIMEOUT,
     abort_index,
-    abort_word,
     base_ptr,
     check_abort,
     finish_program,
@@ -62,11 +61,8 @@ from .sync import (
     launch_timeout,
     now_ns,
     own_ptr,
-    record_error,
     record_lanes,
-    record_timeout,
     release_next,
-    store_abort,
     table_bases,
     take_ticket,
     wait_previous,
@@ -77,63 +73,19 @@ SENTINEL = tl.constexpr(-32768)
 
 
 @triton.jit
-def _poll_code(p, mask, tag_ptr, want_low, signature, waited, timeout):
-    """One round of :func:`_poll_tile`'s wait: ``(code, tile)``, the block-wide max of its per-lane code
-    (see there) and the tile as loaded."""
-    seen = tl.load(tag_ptr, volatile=True)
-    low = (seen & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-    tile = tl.load(p, mask=mask, other=0.0, volatile=True)
-    bits = tile.to(tl.int16, bitcast=True)
-    missing = (bits == SENTINEL) | (low != want_low)  # per lane
-    code = ((bits == SENTINEL).to(tl.int32) + tl.where(low != want_low, 2, 0)
-            + tl.where(missing & (waited >= timeout), 4, 0)  # expired: only where something is missing
-            + tl.where(((seen >> 32).to(tl.int32) != signature) & (low == want_low), 8, 0))
-    return tl.max(code, axis=0), tile
-
-
-@triton.jit
 def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
                timeout, err_ptr, state_ptr, table_ptr, abort_off, WORLD: tl.constexpr):
-    """The block-wide wait (rows of several tiles, or not in whole 16-byte vectors): spin until, for every
-    peer ``q``, this program's call tag from ``q`` (``tag_ptr + q``) carries this epoch and no element of
-    this tile in ``q``'s slot holds the sentinel (bounded). A tag of this epoch with another signature
-    ends the wait at once and records
-    ``ERR_MISMATCH``; an expired wait records ``ERR_TIMEOUT``. Returns the timeout left for later
-    waits: ``timeout``, or 0 once a wait failed. The epilogue then reads the tiles again.
-
-    Every thread loads the tag and reads the clock itself, so threads may disagree on both; the loop's
-    condition is therefore one block-wide max of a per-lane code (1: this element holds the sentinel,
-    2: this thread sees no tag of this epoch yet, 4: this thread's wait expired with one of those still
-    missing, 8: this thread sees this epoch's tag with another call's signature), the same value in
-    every thread: the reduction's barriers inside the loop are reached by every warp the same number of
-    times. A timeout of 0 (an earlier wait failed) leaves at once, and the call then counts as failed
-    whatever arrived (the error recorded first stays). Past the timeout a thread stores this rank's abort
-    word in ``q`` once (``sync.store_abort``: ``table_ptr`` the address table, ``abort_off`` the place of
-    a rank's state word from its base), the wait goes on for the grace (``sync.grace_ns``), and a thread
-    that stored the word withdraws it when the peer arrives within the grace."""
-    want_low = tag_low(epoch)
-    abort_idx = abort_index(abort_off, program, rank, WORLD)
+    """The block-wide wait (rows of several tiles, or not in whole 16-byte vectors): ``spin.wait_peer`` on
+    every peer ``q`` in turn (its tag at ``tag_ptr + q``, this tile in its slot), bounded by the limit of the
+    timeout this wait starts with. Returns the timeout left for later waits: ``timeout``, or 0 once a wait
+    failed (a timeout of 0 then leaves at once, and the call counts as failed whatever arrived). The
+    epilogue then reads the tiles again."""
     limit = timeout + grace_ns(timeout)
     for q in tl.static_range(WORLD):
         if q != rank:
-            p = recv_row_ptr + q * slot_stride + cols
-            start = now_ns()
-            waited = start - start
-            code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, limit)
-            told = waited * 0
-            while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
-                waited = now_ns() - start
-                if (waited >= timeout) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
-                    store_abort(table_ptr + q, abort_off, abort_idx, abort_word(epoch))
-                    told = waited * 0 + 1
-                code, tile = _poll_code(p, mask, tag_ptr + q, want_low, signature, waited, limit)
-            if (code == 0) & (told != 0):  # arrived within the grace: withdraw the word
-                store_abort(table_ptr + q, abort_off, abort_idx, waited * 0)
-            if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
-                record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
-            if (code >= 8) & (timeout > 0):
-                record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
-            timeout = tl.where((code != 0) | (timeout == 0), 0, timeout)
+            timeout, tile = wait_peer(recv_row_ptr + q * slot_stride + cols, mask, tag_ptr + q, q, rank, epoch,
+                                      program, signature, timeout, limit, err_ptr, state_ptr, table_ptr, abort_off,
+                                      SENTINEL, WORLD)
     return timeout
 
 

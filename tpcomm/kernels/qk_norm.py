@@ -23,11 +23,11 @@ the sentinel's bits and a word is checked whole (a 32-bit store does not tear). 
 with the same pattern, so the buffers stay as the 16-bit Lamport kernels expect them. Call tags as in
 ``lamport.py`` (``spin.tag_value``: ``signature << 32 | 2 * epoch + 1``, into ``[parity][program][sender]``
 of each peer after the program's data): a tag of this epoch with another signature (another op, width,
-dtype, token count or eps) is ``ERR_MISMATCH``. The wait is ``lamport._poll_tile``'s block-wide poll
-(volatile loads, bounded by the timeout, abort word and grace as there). Buffers alternate by epoch
-parity, with ``lamport.py``'s argument for why two are enough. The grid depends only on the token count
-and the agreed grid cap, never on the widths, so a peer with another width runs the same programs and
-every program sees the mismatch.
+dtype, token count or eps) is ``ERR_MISMATCH``. The wait is ``spin.wait_peer``, the block-wide poll
+``lamport._poll_tile`` runs (volatile loads, bounded by the timeout, abort word and grace). Buffers
+alternate by epoch parity, with ``lamport.py``'s argument for why two are enough. The grid depends only
+on the token count and the agreed grid cap, never on the widths, so a peer with another width runs the
+same programs and every program sees the mismatch.
 
 Buffers: word ``2 * row + j`` (``j`` 0: q, 1: k) of slot ``r`` of a rank's Lamport buffer holds rank
 ``r``'s partial sums of ``row``; a launch carries ``lamport_slot_bytes / 8`` rows.
@@ -45,22 +45,15 @@ from ..reference import reduce_in_rank_order, sum_of_squares
 from .epilogue import rms_inverse, round_to, tree_sum, weight_first
 from .launch import KernelCall
 from .quant import widen
-from .spin import SENTINEL_WORD, tag_low, tag_value
+from .spin import SENTINEL_WORD, tag_value, wait_peer
 from .sync import (
-    ERR_MISMATCH,
-    abort_index,
-    abort_word,
     base_ptr,
     check_abort,
     finish_program,
     grace_ns,
     launch_timeout,
-    now_ns,
     own_ptr,
-    record_error,
-    record_timeout,
     release_next,
-    store_abort,
     table_bases,
     take_ticket,
     wait_previous,
@@ -124,50 +117,6 @@ def _norm_rows(x_ptr, x_stride, w_ptr, o_ptr, o_stride, rows, row_mask, H, total
         tl.store(o_ptr + r * o_stride + c[None, :], round_to(y, DTYPE), mask=mask)
 
 
-@triton.jit
-def _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit):
-    """One round of :func:`_wait_peer`: ``(code, words)``, the block-wide max of the per-lane code of
-    ``lamport._poll_code`` (1: a word still holds the sentinel, 2: no tag of this epoch yet, 4: expired with
-    one of those missing, 8: this epoch's tag with another signature) and the words as loaded."""
-    seen = tl.load(tag_ptr, volatile=True)
-    low = (seen & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-    words = tl.load(p, mask=mask, other=0, volatile=True)
-    empty = (words == SENTINEL_WORD) & mask
-    code = (empty.to(tl.int32) + tl.where(low != want_low, 2, 0)
-            + tl.where((empty | (low != want_low)) & (waited >= limit), 4, 0)
-            + tl.where(((seen >> 32).to(tl.int32) != signature) & (low == want_low), 8, 0))
-    return tl.max(code, axis=0), words
-
-
-@triton.jit
-def _wait_peer(p, mask, tag_ptr, q, rank, epoch, program, signature, timeout, err_ptr, state_ptr, table_ptr,
-               abort_off, WORLD: tl.constexpr):
-    """Spin until peer ``q``'s call tag carries this epoch and none of its words at ``p`` (int32, where
-    ``mask``) holds the sentinel; bounded as ``lamport._poll_tile`` (abort word past the timeout, the grace,
-    ``ERR_TIMEOUT`` or ``ERR_MISMATCH`` recorded unless ``timeout`` is 0). Returns ``(timeout, words)``:
-    the timeout left for later waits (0 once a wait failed) and the words as the last round loaded them."""
-    want_low = tag_low(epoch)
-    abort_idx = abort_index(abort_off, program, rank, WORLD)
-    limit = timeout + grace_ns(timeout)
-    start = now_ns()
-    waited = start - start
-    code, words = _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit)
-    told = waited * 0
-    while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
-        waited = now_ns() - start
-        if (waited >= timeout) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
-            store_abort(table_ptr + q, abort_off, abort_idx, abort_word(epoch))
-            told = waited * 0 + 1
-        code, words = _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit)
-    if (code == 0) & (told != 0):  # arrived within the grace: withdraw the word
-        store_abort(table_ptr + q, abort_off, abort_idx, waited * 0)
-    if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
-        record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
-    if (code >= 8) & (timeout > 0):
-        record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
-    return tl.where((code != 0) | (timeout == 0), 0, timeout), words
-
-
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
 def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr, state_ptr, err_ptr,
                     n_rows, HQ, HK, q_stride, k_stride, qo_stride, ko_stride, slot_stride, parity_stride,
@@ -220,8 +169,9 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr,
             if q == rank:
                 acc += tl.load(recv + q * slot_stride + at, mask=wmask, other=0).to(tl.float32, bitcast=True)
             else:
-                timeout, got = _wait_peer(recv + q * slot_stride + at, wmask, tags + q, q, rank, epoch, pid,
-                                          signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD)
+                timeout, got = wait_peer(recv + q * slot_stride + at, wmask, tags + q, q, rank, epoch, pid,
+                                         signature, timeout, timeout + grace_ns(timeout), err_ptr, state_ptr,
+                                         buf_table_ptr, abort_off, SENTINEL_WORD, WORLD)
                 acc += got.to(tl.float32, bitcast=True)
         if b == pid:  # the first wait has ended: every peer's programs of this call have started
             release_next(PDL)

@@ -36,7 +36,16 @@ import triton
 import triton.language as tl
 
 from ..env import interpreter_enabled
-from .sync import NOTIFIED_FLAG, abort_word, now_ns, store_abort
+from .sync import (
+    ERR_MISMATCH,
+    NOTIFIED_FLAG,
+    abort_index,
+    abort_word,
+    now_ns,
+    record_error,
+    record_timeout,
+    store_abort,
+)
 
 #: Two sentinels in one 32-bit word: the re-armed state of a Lamport vector.
 SENTINEL_WORD = tl.constexpr(-2147450880)  # 0x80008000
@@ -217,3 +226,62 @@ def words_to_elems(w0, w1, w2, w3, DTYPE: tl.constexpr):
     halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)  # [4V, 2]: [j, h] = half h of word j
     bits = tl.reshape(halves, [8 * V]).to(tl.int16)
     return bits.to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BITS: tl.constexpr):
+    """One round of :func:`wait_peer`: ``(code, tile)``, the block-wide max of the per-lane code (see there)
+    and the tile as loaded."""
+    seen = tl.load(tag_ptr, volatile=True)
+    low = (seen & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+    tile = tl.load(p, mask=mask, other=0, volatile=True)
+    if tile.dtype.primitive_bitwidth == 16:
+        bits = tile.to(tl.int16, bitcast=True)
+    else:
+        bits = tile.to(tl.int32, bitcast=True)
+    missing = (bits == SENTINEL_BITS) | (low != want_low)  # per lane
+    code = ((bits == SENTINEL_BITS).to(tl.int32) + tl.where(low != want_low, 2, 0)
+            + tl.where(missing & (waited >= limit), 4, 0)  # expired: only where something is missing
+            + tl.where(((seen >> 32).to(tl.int32) != signature) & (low == want_low), 8, 0))
+    return tl.max(code, axis=0), tile
+
+
+@triton.jit
+def wait_peer(p, mask, tag_ptr, q, rank, epoch, program, signature, timeout, limit, err_ptr, state_ptr, table_ptr,
+              abort_off, SENTINEL_BITS: tl.constexpr, WORLD: tl.constexpr):
+    """The block-wide Lamport wait on one peer ``q``: spin until this program's call tag from ``q``
+    (``tag_ptr``) carries this epoch and no element of the tile at ``p`` (where ``mask``; 16- or 32-bit
+    elements, compared by their bits with ``SENTINEL_BITS``) holds the sentinel, at most ``limit`` ns (the
+    timeout and its grace). A tag of this epoch with another signature ends the wait at once and records
+    ``ERR_MISMATCH``; an expired wait records ``ERR_TIMEOUT``. Returns ``(timeout, tile)``: the timeout left
+    for later waits (``timeout``, or 0 once a wait failed) and the tile as the last round loaded it.
+
+    Every thread loads the tag and reads the clock itself, so threads may disagree on both; the loop's
+    condition is therefore one block-wide max of a per-lane code (1: this element holds the sentinel,
+    2: this thread sees no tag of this epoch yet, 4: this thread's wait expired with one of those still
+    missing, 8: this thread sees this epoch's tag with another call's signature), the same value in
+    every thread: the reduction's barriers inside the loop are reached by every warp the same number of
+    times. A timeout of 0 (an earlier wait failed) records nothing more (the error recorded first stays).
+    Past the timeout a thread stores this rank's abort word in ``q`` once (``sync.store_abort``:
+    ``table_ptr`` the address table, ``abort_off`` the place of a rank's state word from its base), the
+    wait goes on for the grace (``sync.grace_ns``), and a thread that stored the word withdraws it when
+    the peer arrives within the grace."""
+    want_low = tag_low(epoch)
+    abort_idx = abort_index(abort_off, program, rank, WORLD)
+    start = now_ns()
+    waited = start - start
+    code, tile = _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BITS)
+    told = waited * 0
+    while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
+        waited = now_ns() - start
+        if (waited >= timeout) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
+            store_abort(table_ptr + q, abort_off, abort_idx, abort_word(epoch))
+            told = waited * 0 + 1
+        code, tile = _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BITS)
+    if (code == 0) & (told != 0):  # arrived within the grace: withdraw the word
+        store_abort(table_ptr + q, abort_off, abort_idx, waited * 0)
+    if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
+        record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
+    if (code >= 8) & (timeout > 0):
+        record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
+    return tl.where((code != 0) | (timeout == 0), 0, timeout), tile
