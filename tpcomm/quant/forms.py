@@ -146,6 +146,15 @@ class QuantForm:
                              "computes its scales from out)")
 
 
+def _one_group(op: str, column_major_scales, group_size, why: str) -> None:
+    """What a form of one scale a row or tensor refuses: the per-group forms' options (``why`` says why)."""
+    if column_major_scales:
+        raise ValueError(_ONLY_GROUPS.format(op=op))
+    if group_size != DEFAULT_GROUP_SIZE:
+        raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
+                         f"(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; {why})")
+
+
 @dataclass(frozen=True)
 class PerTokenForm(QuantForm):
     """``fp8_per_token``: one float32 scale a row, ``(..., 1)``."""
@@ -153,12 +162,7 @@ class PerTokenForm(QuantForm):
     def outputs(self, op, x, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
                 swizzled_scales):
         self._fp8_options(op, scale, swizzled_scales)
-        if column_major_scales:
-            raise ValueError(_ONLY_GROUPS.format(op=op))
-        if group_size != DEFAULT_GROUP_SIZE:
-            raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
-                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; per-token scales have one group: "
-                             "the row)")
+        _one_group(op, column_major_scales, group_size, "per-token scales have one group: the row")
         # rows of no elements launch nothing: their amax is 0, so their scale is 1 (docs/numerics.md item 4)
         scales = _scales(op, x, self.name, fp8_dtype, (*x.shape[:-1], 1), False, q_out, scales_out)
         if x.shape[-1] == 0:
@@ -217,11 +221,7 @@ class StaticForm(QuantForm):
     def outputs(self, op, x, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
                 swizzled_scales):
         self._fp8_options(op, scale, swizzled_scales)
-        if column_major_scales:
-            raise ValueError(_ONLY_GROUPS.format(op=op))
-        if group_size != DEFAULT_GROUP_SIZE:
-            raise ValueError(f"{op}: group_size={group_size!r} applies to the per-group forms only "
-                             "(quant='fp8_per_group' or 'fp8_per_group_ue8m0'; fp8_static has one scale)")
+        _one_group(op, column_major_scales, group_size, "fp8_static has one scale")
         check_static_scale(op, x, scale)
         if scales_out is not None:
             raise ValueError(f"{op}: scales_out does not apply to quant='fp8_static' (its scale is the input "
