@@ -124,18 +124,10 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         PeerTimeoutError: a peer did not arrive within the timeout (this or an earlier call).
     """
     comm._check_open(OP)
-    eps = check_fused_inputs(OP, x, residual, weight, eps, gemma, emit_unquantized, column_major_scales,
-                             comm.device)
-    x, weight = x.resolve_neg(), weight.resolve_neg()  # lazily negated views made real (as all_reduce)
-    if residual is not None and residual.is_neg():
-        residual = residual.resolve_neg()
-    if quant is None:
-        check_unquantized_call(OP, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
-                               swizzled_scales)
-    check_fused_outputs(OP, x, residual, weight, quant, emit_unquantized, out, residual_out, comm.device)
-    qout = quant_outputs(comm, OP, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
-                         swizzled_scales)
-    plan = comm.plan(OP, x.numel() * x.element_size(), x.shape[-1], x.dtype) if x.numel() else None
+    eps, residual, weight, qout, plan = check_call(
+        comm, OP, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+        emit_unquantized, scale, swizzled_scales, out, residual_out, q_out, scales_out)
+    x = x.resolve_neg()  # a lazily negated view made real (as all_reduce)
     outs = FusedOutputs.make(x, residual, weight, scale, plan, qout, emit_unquantized, out, residual_out,
                              q_out, scales_out)
     if x.numel() == 0:
@@ -149,6 +141,26 @@ def fused_add_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor | None, weig
         return outs.result()
     _launch(comm, plan, x, residual, weight, outs, eps, gemma, scale, swizzled_scales, key)
     return outs.result()
+
+
+def check_call(comm, op: str, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+               emit_unquantized, scale, swizzled_scales, out, residual_out, q_out, scales_out):
+    """The fused norm's checks of a call whose rows are shaped like ``x`` (``x`` itself, or a stand-in of
+    its shape, dtype and device), its quantised outputs and its plan: ``(eps, residual, weight, quant
+    outputs or None, plan or None)``, ``residual`` and ``weight`` with a lazily negated view made real;
+    no plan for an empty ``x``."""
+    eps = check_fused_inputs(op, x, residual, weight, eps, gemma, emit_unquantized, column_major_scales, comm.device)
+    weight = weight.resolve_neg()
+    if residual is not None and residual.is_neg():
+        residual = residual.resolve_neg()
+    if quant is None:
+        check_unquantized_call(op, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
+                               swizzled_scales)
+    check_fused_outputs(op, x, residual, weight, quant, emit_unquantized, out, residual_out, comm.device)
+    qout = quant_outputs(comm, op, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
+                         swizzled_scales)
+    plan = comm.plan(OP, x.numel() * x.element_size(), x.shape[-1], x.dtype) if x.numel() else None
+    return eps, residual, weight, qout, plan
 
 
 def quant_outputs(comm, op: str, x, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,

@@ -34,9 +34,9 @@ import torch
 from .. import dispatch, reference, validate
 from ..env import interpreter_enabled, interpreter_problem
 from ..kernels.moe import MoeIn, moe_finalize_call
-from ..quant import DEFAULT_GROUP_SIZE, check_unquantized_call
+from ..quant import DEFAULT_GROUP_SIZE
 from .fallback import fall_back
-from .fused_norm import FLOAT32_MAX, FusedOutputs, check_fused_inputs, check_fused_outputs, quant_outputs
+from .fused_norm import FLOAT32_MAX, FusedOutputs, check_call, check_fused_outputs
 
 OP = "fused_moe_finalize_add_rmsnorm"
 
@@ -256,18 +256,9 @@ def fused_moe_finalize_add_rmsnorm(comm, expert_out, topk_weights, residual, wei
         if tuple(residual.shape) != (T, H):
             raise ValueError(f"{OP}: residual has shape {tuple(residual.shape)}; expected (T, H) = {(T, H)}")
     spec = torch.empty((1,), dtype=dtype, device=comm.device).expand(T, H)  # x's shape, dtype and device
-    eps = check_fused_inputs(OP, spec, residual, weight, eps, gemma, emit_unquantized, column_major_scales,
-                             comm.device)
-    weight = weight.resolve_neg()
-    if residual is not None and residual.is_neg():
-        residual = residual.resolve_neg()
-    if quant is None:
-        check_unquantized_call(OP, fp8_dtype, group_size, column_major_scales, emit_unquantized, scale,
-                               swizzled_scales)
-    check_fused_outputs(OP, spec, residual, weight, quant, emit_unquantized, out, residual_out, comm.device)
-    qout = quant_outputs(comm, OP, spec, quant, fp8_dtype, group_size, column_major_scales, q_out, scales_out, scale,
-                         swizzled_scales)
-    plan = comm.plan("fused_add_rmsnorm", T * H * spec.element_size(), H, dtype) if T else None
+    eps, residual, weight, qout, plan = check_call(  # the fused norm's checks and plan, for its (T, H) rows
+        comm, OP, spec, residual, weight, eps, gemma, quant, fp8_dtype, group_size, column_major_scales,
+        emit_unquantized, scale, swizzled_scales, out, residual_out, q_out, scales_out)
     # the kernels read the finalize's inputs in place of x (a prologue's out stands for x)
     reads = {"expert_out": moe.expert_out, "index": moe.index, "topk_weights": moe.weights, "shared_out": moe.shared}
     outs = FusedOutputs.make(spec, residual, weight, scale, plan, qout, emit_unquantized, out, residual_out, q_out,
