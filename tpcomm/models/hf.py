@@ -25,13 +25,12 @@ generation) is the model's own code. Inference only; the original model is not m
 
 from __future__ import annotations
 
-import copy
 import types
 
 import torch
 from torch import nn
 
-from .sharding import FusedNorm, ShardingError, norm_eps, shard_columns, shard_rows
+from .sharding import FusedNorm, ShardingError, frozen_copy, norm_eps, shard_attention, shard_columns, shard_rows
 
 __all__ = ["GEMMA_LIKE", "LLAMA_LIKE", "ShardingError", "shard"]
 
@@ -120,17 +119,12 @@ def shard(model, comm):
         return shard_minimax_m2(model, comm)
     W, r = comm.world_size, comm.rank
     kind, heads, kv_heads, inter, head_dim = _check(model, W)
-    tp = copy.deepcopy(model).eval()
-    for p in tp.parameters():
-        p.requires_grad_(False)
+    tp = frozen_copy(model)
     q, kv, i = heads // W * head_dim, kv_heads // W * head_dim, inter // W
     layers = tp.model.layers
     for n, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        shard_rows(attn.q_proj, r * q, (r + 1) * q)
-        shard_rows(attn.k_proj, r * kv, (r + 1) * kv)
-        shard_rows(attn.v_proj, r * kv, (r + 1) * kv)
-        shard_columns(attn.o_proj, r * q, (r + 1) * q)
+        mlp = layer.mlp
+        shard_attention(layer.self_attn, r, q, kv)
         shard_rows(mlp.gate_proj, r * i, (r + 1) * i)
         shard_rows(mlp.up_proj, r * i, (r + 1) * i)
         shard_columns(mlp.down_proj, r * i, (r + 1) * i)

@@ -23,14 +23,13 @@ original model is not modified.
 
 from __future__ import annotations
 
-import copy
 import types
 
 import torch
 from torch import nn
 
 from .moe import TensorParallelSparseMoe
-from .sharding import FusedNorm, ShardingError, norm_eps, shard_columns, shard_rows
+from .sharding import FusedNorm, ShardingError, frozen_copy, norm_eps, shard_attention
 
 #: Model types this module shards.
 MINIMAX_LIKE = ("minimax_m2",)
@@ -133,17 +132,12 @@ def shard(model, comm, layout: str = "token"):
     """
     W, r = comm.world_size, comm.rank
     heads, kv_heads, head_dim = _check(model, W)
-    tp = copy.deepcopy(model).eval()
-    for p in tp.parameters():
-        p.requires_grad_(False)
+    tp = frozen_copy(model)
     q, kv = heads // W * head_dim, kv_heads // W * head_dim
     layers = tp.model.layers
     for layer in layers:
         attn = layer.self_attn
-        shard_rows(attn.q_proj, r * q, (r + 1) * q)
-        shard_rows(attn.k_proj, r * kv, (r + 1) * kv)
-        shard_rows(attn.v_proj, r * kv, (r + 1) * kv)
-        shard_columns(attn.o_proj, r * q, (r + 1) * q)
+        shard_attention(attn, r, q, kv)
         _slice_norm(attn.q_norm, r * q, (r + 1) * q)
         _slice_norm(attn.k_norm, r * kv, (r + 1) * kv)
         attn.forward = types.MethodType(_attention_forward(comm), attn)

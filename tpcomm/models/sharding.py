@@ -4,6 +4,8 @@ that hands on a fused call's output."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -23,6 +25,24 @@ def shard_rows(linear: nn.Linear, start: int, stop: int) -> None:
 def shard_columns(linear: nn.Linear, start: int, stop: int) -> None:
     linear.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone(), requires_grad=False)
     linear.in_features = stop - start
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` in eval mode with no parameter requiring grad: what a rank shards."""
+    tp = copy.deepcopy(model).eval()
+    for p in tp.parameters():
+        p.requires_grad_(False)
+    return tp
+
+
+def shard_attention(attn: nn.Module, rank: int, q_width: int, kv_width: int) -> None:
+    """This rank's heads of a Hugging Face attention block: rows ``[rank * q_width, (rank + 1) * q_width)``
+    of ``q_proj`` (``kv_width`` of ``k_proj`` and ``v_proj``), the same columns of ``o_proj`` (its output
+    then a partial sum over the ranks)."""
+    shard_rows(attn.q_proj, rank * q_width, (rank + 1) * q_width)
+    shard_rows(attn.k_proj, rank * kv_width, (rank + 1) * kv_width)
+    shard_rows(attn.v_proj, rank * kv_width, (rank + 1) * kv_width)
+    shard_columns(attn.o_proj, rank * q_width, (rank + 1) * q_width)
 
 
 def norm_eps(norm: nn.Module) -> float:
