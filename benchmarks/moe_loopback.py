@@ -132,7 +132,7 @@ def trtllm_rows(W: int, H: int, tokens, K: int, calls: int, replays: int) -> Non
 
     import flashinfer.comm as fc
 
-    from tpcomm.bench.loopback import TrtllmLoopback, graph_us
+    from tpcomm.bench.loopback import TrtllmLoopback, graph_us, issue_on_streams
 
     warnings.simplefilter("ignore")
     lb = TrtllmLoopback(W, max(tokens), H)
@@ -165,13 +165,7 @@ def trtllm_rows(W: int, H: int, tokens, K: int, calls: int, replays: int) -> Non
         for op, issue in (("trtllm_finalize", finalize), ("trtllm_moe_ar", moe_ar)):
             row = dict(library="trtllm", op=op, world=W, hidden=H, tokens=T, k=K)
             try:
-                current = torch.cuda.current_stream()
-                for r, s in enumerate(streams):
-                    s.wait_stream(current)
-                    with torch.cuda.stream(s):
-                        issue(r)
-                for s in streams:
-                    current.wait_stream(s)
+                issue_on_streams(issue, streams)
                 torch.cuda.synchronize()
                 err = max(max(_rel(o, want[0]), _rel(ro, want[1])) for o, ro in outs)
                 row.update(checked=err < TRTLLM_REL, rel_error=err)

@@ -71,22 +71,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def issue_on_streams(issue, ranks_streams, n: int = 1) -> None:
+    """``issue(r)`` (one call of rank ``r``) ``n`` times on each rank's stream, every rank's before any is
+    waited for; each stream forks from, and joins, the current stream (inside a capture: the capturing
+    stream)."""
+    current = torch.cuda.current_stream()
+    for r, s in enumerate(ranks_streams):
+        s.wait_stream(current)
+        with torch.cuda.stream(s):
+            for _ in range(n):
+                issue(r)
+    for s in ranks_streams:
+        current.wait_stream(s)
+
+
 def graph_us(issue, ranks_streams, calls: int, replays: int) -> float:
-    """µs per call: ``issue(r)`` (one call of rank ``r``) ``calls`` times on each rank's stream, captured
-    in one graph; median over ``replays`` replays. Each rank's stream forks from, and joins, the stream
-    current when the calls are issued (inside the capture: the capturing stream)."""
-
-    def all_ranks(n):
-        current = torch.cuda.current_stream()
-        for r, s in enumerate(ranks_streams):
-            s.wait_stream(current)
-            with torch.cuda.stream(s):
-                for _ in range(n):
-                    issue(r)
-        for s in ranks_streams:
-            current.wait_stream(s)
-
-    return replayed_us(all_ranks, calls, replays)
+    """µs per call: ``issue(r)`` (one call of rank ``r``) ``calls`` times on each rank's stream
+    (:func:`issue_on_streams`), captured in one graph; median over ``replays`` replays."""
+    return replayed_us(lambda n: issue_on_streams(issue, ranks_streams, n), calls, replays)
 
 
 def replayed_us(issue_calls, calls: int, replays: int) -> float:
@@ -208,13 +210,7 @@ def _trtllm_rows(W: int, H: int, tokens, calls: int, replays: int, eps: float) -
             def issue(r, op=op, outs=outs):
                 lb.call(r, op, xs[r], res, w, eps, outs[r])
 
-            current = torch.cuda.current_stream()
-            for r, s in enumerate(streams):  # one call of every rank, then check
-                s.wait_stream(current)
-                with torch.cuda.stream(s):
-                    issue(r)
-            for s in streams:
-                current.wait_stream(s)
+            issue_on_streams(issue, streams)  # one call of every rank, then check
             torch.cuda.synchronize()
             if op == "fused_fp8":  # dequantised against the reference's out; scales and residual_out relative
                 o = _expected(xs, res, w, eps)["fused"][0].float()
