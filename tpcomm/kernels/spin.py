@@ -30,6 +30,9 @@ table), and tags are never re-armed.
 Under Triton's interpreter (no PTX) :func:`spin_vectors` is a twin with the same results: the whole
 tile is polled with volatile loads until nothing is missing or the host clock passes the deadline (one
 thread runs a program there, so a block-wide condition is that thread's own).
+
+The block-wide wait, for tiles not in whole vectors per thread (rows of several tiles; the QK norm's
+float32 words): :func:`wait_peer`, one peer at a time, a block-wide reduction each round.
 """
 
 import triton
