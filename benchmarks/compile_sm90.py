@@ -7,7 +7,10 @@ through shared memory), built with the alignment real launches specialise (``DIV
 how many programs an SM holds at once.
 Run with TRITON_INTERPRET=0:
 
-    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/compile_sm90.py [--quick] [--regs]
+    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/compile_sm90.py [--quick] [--regs] [--ptx DIR]
+
+``--ptx DIR`` also writes each variant's PTX to ``DIR/<n>-<kernel>.ptx`` (``tests/support/ptx_sync.py``
+checks there that every wait decides as one block).
 """
 import glob
 import os
@@ -24,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tpcomm import dispatch  # noqa: E402
-from tpcomm.kernels import gather, lamport, one_shot, two_shot  # noqa: E402
+from tpcomm.kernels import gather, lamport, one_shot, qk_norm, two_shot  # noqa: E402
 from tpcomm.kernels.moe import NO_FINALIZE  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -73,6 +76,10 @@ def build(fn, types, constexprs, num_warps=16, pdl=True):
                                                     "launch_pdl": pdl})
     size = (f"{len(k.asm['cubin'])} B cubin, {num_warps} warps, {k.asm['ptx'].count('bar.sync')} barriers, "
             f"{k.asm['ttgir'].count('ttg.convert_layout')} layout conversions")
+    if "--ptx" in sys.argv:
+        folder = sys.argv[sys.argv.index("--ptx") + 1]
+        with open(os.path.join(folder, f"{_BUILDING[0]:03d}-{fn.__name__.strip('_')}.ptx"), "w") as f:
+            f.write(k.asm["ptx"])
     return f"{size}, {resources(k.asm['ptx'])}" if "--regs" in sys.argv else size
 
 
@@ -161,6 +168,18 @@ def variants() -> list[tuple]:
                           {"WORLD": 2, "BLOCK_H": 1024, "NUM_TILES": 1, "NORM": True, "HAS_RESIDUAL": True,
                            "GEMMA": False, "QUANT": 0, "STORE_OUT": True, "FP8": tl.float8e4nv,
                            "NATIVE_FP8": True, "GROUP": 1, "PDL": False}, 4, pdl=False)))
+    # the full-width QK norm (kernels/qk_norm.py): MiniMax-M2's widths at TP 2 (q 3072, k 512 columns) and
+    # at TP 8 with rows of several tiles (q 768 columns in tiles of 256)
+    qk_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "qo_ptr": "*bf16",
+                "ko_ptr": "*bf16", "buf_table_ptr": "*i64", "state_ptr": "*i64", "err_ptr": "*i32", "n_rows": "i32",
+                "HQ": "i32", "HK": "i32", "q_stride": "i32", "k_stride": "i32", "qo_stride": "i32",
+                "ko_stride": "i32", "slot_stride": "i32", "parity_stride": "i32", "eps": "fp32", "timeout": "i64",
+                "rank": "i32", "signature": "i32", "tag_off": "i32", "max_programs": "i32", "abort_off": "i32"}
+    for world, bq, tq, bk, warps in ((2, 4096, 1, 512, 8), (8, 256, 3, 64, 4)):
+        results.append(("qk_norm", "bf16", bq, tq, 0, True,
+                        job(qk_norm._qk_norm_kernel, qk_types,
+                            {"WORLD": world, "ROWS": 1, "BLOCK_Q": bq, "TILES_Q": tq, "BLOCK_K": bk, "TILES_K": 1,
+                             "IN_PLACE": world == 2, "PDL": True}, warps)))
     # every other dtype is gathered as bytes
     results.append(("all_gather", "u8", 4096, 1, 0, False,
                     job(gather._all_gather_kernel, dict(epi_types("u8"), x_ptr="*u8", out_ptr="*u8"),
@@ -176,8 +195,13 @@ def job(*args, **kwargs):
 _SPECS: list = []
 
 
+#: The index of the variant this worker builds (the name of its ``--ptx`` file).
+_BUILDING = [0]
+
+
 def _build(i: int):
     label, (args, kwargs) = _SPECS[i][:-1], _SPECS[i][-1]
+    _BUILDING[0] = i
     return label + (build(*args, **kwargs),)
 
 

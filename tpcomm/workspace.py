@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .dispatch import TWO_SHOT_GRID_FACTOR
 from .env import interpreter_enabled
+from .kernels.sync import ERR_WORDS
 
 _ALIGN = 256
 #: Flag exchanges per launch (kernels/sync.py): two-shot signals after its scatter and its gather.
@@ -141,7 +142,7 @@ class Workspace:
         # set by a peer that stores an abort word after it
         region = self.total_bytes - self.abort_bytes
         self.state = self.buffer[region:region + 8].view(torch.int64)
-        self.err = torch.zeros(5, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._err_words = self.err.numpy()  # the same memory: reading it costs no torch dispatch
         self.closed = False
 
@@ -299,9 +300,12 @@ class Workspace:
 
     # -- errors and life cycle ----------------------------------------------------------------------
     def read_error(self) -> tuple[int, int, int, int, int]:
-        """``(code, peer, epoch, program, signature)`` recorded by a kernel; code 0 means none. On CUDA the
-        words are in pinned host memory: this reads what has landed so far without synchronising."""
-        code, peer, epoch, program, signature = (int(v) for v in self._err_words)
+        """``(code, peer, epoch, program, signature)`` recorded by a kernel; code 0 means none. A mismatch,
+        which has a record of its own (``kernels.sync.ERR_WORDS``), wins over a timeout or abort recorded
+        by another program. On CUDA the words are in pinned host memory: this reads what has landed so far
+        without synchronising."""
+        words = self._err_words[5:10] if self._err_words[5] else self._err_words[:5]
+        code, peer, epoch, program, signature = (int(v) for v in words)
         return code, peer, epoch & 0xFFFFFFFF, program, signature  # the epoch unsigned, as epoch() gives it
 
     def error_code(self) -> int:

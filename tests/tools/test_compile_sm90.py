@@ -1,8 +1,10 @@
 """Every kernel compiles for sm_90 (H100/H200) without a GPU, down to a cubin with the Triton wheel's
 ptxas. The CPU interpreter does not check what the GPU compiler does (for instance that both branches of
 an ``if`` give a variable the same type); a kernel that only ever ran on CPU ranks can still fail to
-compile on a GPU. Runs in a subprocess with ``TRITON_INTERPRET=0``. Also checks one property
-of the builds that the interpreter cannot show: the FP8 byte store adds no layout conversion."""
+compile on a GPU. Runs in a subprocess with ``TRITON_INTERPRET=0``. Also checks two properties of the
+builds that the interpreter cannot show: the FP8 byte store adds no layout conversion, and every wait
+decides as one block (the PTX's barriers and single-thread stores sit under no branch on a per-thread
+value; ``tests/support/ptx_sync.py``, checked itself on hand-written PTX in ``test_ptx_sync.py``)."""
 
 import os
 import subprocess
@@ -11,18 +13,42 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ptx_sync
+
 ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel has no NVIDIA backend (ptxas)")
-def test_every_kernel_compiles_for_sm90():
+def test_every_kernel_compiles_for_sm90(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--quick"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--quick",
+                           "--ptx", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "kernel variants for sm_90" in proc.stdout
     _check_fp8_store_layout(proc.stdout)
+    _check_uniform_waits(sorted(tmp_path.glob("*.ptx")))
+
+
+def _check_uniform_waits(files):
+    """Every wait decides as one block (docs/design.md, "Every wait decides as one block";
+    ``tests/support/ptx_sync.py``): in every variant's sm_90 PTX, no barrier and no elected store sits under
+    a branch on a per-thread value, every wait loop that holds a barrier leaves it on a block-uniform
+    value, and the QK norm's waits (a tile of two words, replicated over warps) are block-wide."""
+    assert files
+    problems, qk_loops = [], 0
+    for f in files:
+        ptx = f.read_text()
+        problems += [f"{f.name}: {v}" for v in ptx_sync.analyse(ptx)]
+        loops = ptx_sync.wait_loops(ptx)
+        problems += [f"{f.name}: the wait loop at line {line} holds a barrier and exits on a per-thread value"
+                     for line, uniform, barrier in loops if barrier and not uniform]
+        if "qk_norm" in f.name:
+            qk_loops += len(loops)
+            problems += [f"{f.name}: the QK norm's wait at line {line} is not block-wide"
+                         for line, uniform, _ in loops if not uniform]
+    assert qk_loops, "no QK norm wait loop found in the PTX"
+    assert not problems, "\n".join(problems[:20])
 
 
 def _check_fp8_store_layout(out: str):

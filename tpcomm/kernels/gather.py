@@ -65,7 +65,7 @@ def _all_gather_kernel(x_ptr, out_ptr, buf_table_ptr, flag_table_ptr, state_ptr,
 
     timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
                              signature,
-                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
+                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, pad_programs, WORLD)
     release_next(PDL)  # every peer's programs of this call have started
 
     # 2. Copy every peer's rows out of this rank's receive buffer.

@@ -74,24 +74,25 @@ SENTINEL = tl.constexpr(-32768)
 
 @triton.jit
 def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
-               timeout, err_ptr, state_ptr, table_ptr, abort_off, WORLD: tl.constexpr):
+               timeout, err_ptr, state_ptr, table_ptr, abort_off, tell_idx, tell_to, WORLD: tl.constexpr):
     """The block-wide wait (rows of several tiles, or not in whole 16-byte vectors): ``spin.wait_peer`` on
     every peer ``q`` in turn (its tag at ``tag_ptr + q``, this tile in its slot), bounded by the limit of the
     timeout this wait starts with. Returns the timeout left for later waits: ``timeout``, or 0 once a wait
-    failed (a timeout of 0 then leaves at once, and the call counts as failed whatever arrived). The
+    failed (a timeout of 0 then leaves at once, and the call counts as failed whatever arrived).
+    ``tell_idx``, ``tell_to``: ``spin.wait_peer``'s (the peers' tags of this rank's programs). The
     epilogue then reads the tiles again."""
     limit = timeout + grace_ns(timeout)
     for q in tl.static_range(WORLD):
         if q != rank:
             timeout, tile = wait_peer(recv_row_ptr + q * slot_stride + cols, mask, tag_ptr + q, q, rank, epoch,
                                       program, signature, timeout, limit, err_ptr, state_ptr, table_ptr, abort_off,
-                                      SENTINEL, WORLD)
+                                      tell_idx, tell_to, SENTINEL, WORLD)
     return timeout
 
 
 @triton.jit
 def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, rank, epoch, program, signature,
-              deadline, grace_end, tell_at, record, err_ptr, state_ptr, table_ptr, abort_off,
+              deadline, grace_end, tell_at, record, err_ptr, state_ptr, table_ptr, abort_off, tell_idx, tell_to,
               WORLD: tl.constexpr, BLOCK_H: tl.constexpr, REARM: tl.constexpr, DTYPE: tl.constexpr,
               PACK: tl.constexpr):
     """The wait of a row of one tile, every thread on its own 16-byte vectors (:func:`spin.spin_vectors`),
@@ -108,7 +109,11 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     vector, ``status * 256 + peer``, the largest: a peer that made another call before one that timed
     out) and, with ``record`` (no earlier failure of this call), records its own failure
     (``sync.record_lanes``); the lanes of a program see the same call tags, so they name the same
-    peer and code, whatever lane's record lands last. With ``REARM`` each thread re-armed its vectors
+    peer and code, whatever lane's record lands last. A lane that found another call's tag also stores
+    this call's tag into the awaited peer's tags of the programs this launch does not have, lane ``i``
+    program ``num_programs + i`` (and on by the tile's lanes, up to ``tell_to``; ``tell_idx`` the peer's
+    tag of program 0 from this rank: ``spin.wait_peer``'s tell, as masked stores with no branch), so a
+    peer whose call has more programs ends at once. With ``REARM`` each thread re-armed its vectors
     inside its spin; otherwise the caller re-arms after a barrier. Requires ``H``, ``numel`` and the
     row's start to be multiples of 8 elements (whole vectors)."""
     vi = tl.arange(0, BLOCK_H // 8)
@@ -129,6 +134,12 @@ def _spin_row(own, recv_words_ptr, slot_words, row_start, numel, H, tag_ptr, ran
     code = tl.where(fault >= 512, ERR_MISMATCH, ERR_TIMEOUT)
     failed = (fault != 0) & (fault * 0 + record.to(tl.int32) != 0)  # a tensor mask (the interpreter's too)
     record_lanes(err_ptr, state_ptr, code, fault % 256, failed, epoch, program, signature)
+    tell = failed & (fault >= 512)
+    peer_base = tl.load(table_ptr + fault % 256, mask=tell, other=0).to(tl.pointer_type(tl.int64))
+    tag = tag_value(epoch, signature) + vi.to(tl.int64) * 0
+    for p0 in range(tl.num_programs(0), tell_to, BLOCK_H // 8):
+        p = p0 + vi
+        tl.store(peer_base + tell_idx + p.to(tl.int64) * WORLD, tag, mask=tell & (p < tell_to))
     return acc
 
 
@@ -198,6 +209,7 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
     # ... and this program's call tag (signature and epoch) into each peer's tag [par][pid][rank]: not when
     # a peer gave up on this call (check_abort), so that no peer completes it.
     tag_idx = tag_off + (par * max_programs + pid) * WORLD
+    tell_idx = tag_idx - pid * WORLD + rank  # a peer's tag of program 0 from this rank (a mismatch's tell)
     tag = tag_value(epoch, signature)
     if alive:
         for q in tl.static_range(WORLD):
@@ -230,21 +242,23 @@ def _lamport_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, s
         if VECTORS:  # one tile, every thread on its own 16-byte vectors
             acc = _spin_row(own, recv_words + row * (row_stride // 2), slot_stride // 2, row_start, numel, H,
                             tags, rank, epoch, pid, signature, deadline, grace_end, tell_at, timeout > 0,
-                            err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD, BLOCK_H, REARM_IN_SPIN,
+                            err_ptr, state_ptr, buf_table_ptr, abort_off, tell_idx, max_programs, WORLD, BLOCK_H,
+                            REARM_IN_SPIN,
                             x_ptr.dtype.element_ty, SPIN_PACK)
             s_pre = round_to(acc, x_ptr.dtype.element_ty)
         elif NUM_TILES == 1:  # rows not in whole vectors: a block-wide poll; the epilogue reads the tile again
             mask = (offs < H) & (row_start + offs < numel)
             timeout = _poll_tile(recv + row * row_stride, slot_stride, offs, mask, tags, rank, epoch, pid,
-                                 signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, WORLD)
+                                 signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, tell_idx,
+                                 max_programs, WORLD)
             s_pre = offs
         else:  # rows of several tiles read them again
             for t in tl.static_range(NUM_TILES):
                 cols = t * BLOCK_H + offs
                 mask = (cols < H) & (row_start + cols < numel)
                 timeout = _poll_tile(recv + row * row_stride, slot_stride, cols, mask, tags, rank, epoch, pid,
-                                     signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off,
-                                     WORLD)
+                                     signature, timeout, err_ptr, state_ptr, buf_table_ptr, abort_off, tell_idx,
+                                     max_programs, WORLD)
             s_pre = offs
         if row == pid:  # the first row's wait has ended: every peer's programs of this call have started
             release_next(PDL)

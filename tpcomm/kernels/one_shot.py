@@ -91,7 +91,7 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     # 2. Publish one flag per peer and wait for the same program index of every peer (bounded).
     timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
                              signature,
-                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
+                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, pad_programs, WORLD)
     release_next(PDL)  # every peer's programs of this call have started
 
     # 3. Reduce in rank order and run the epilogue.

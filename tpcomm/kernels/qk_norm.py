@@ -149,6 +149,7 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr,
     # ... and this program's call tag into each peer's tag [par][pid][rank]: not when a peer gave up on
     # this call (check_abort), so that no peer completes it.
     tag_idx = tag_off + (par * max_programs + pid) * WORLD
+    tell_idx = tag_idx - pid * WORLD + rank  # a peer's tag of program 0 from this rank (a mismatch's tell)
     if alive:
         tag = tag_value(epoch, signature)
         for q in tl.static_range(WORLD):
@@ -171,7 +172,7 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr,
             else:
                 timeout, got = wait_peer(recv + q * slot_stride + at, wmask, tags + q, q, rank, epoch, pid,
                                          signature, timeout, timeout + grace_ns(timeout), err_ptr, state_ptr,
-                                         buf_table_ptr, abort_off, SENTINEL_WORD, WORLD)
+                                         buf_table_ptr, abort_off, tell_idx, max_programs, SENTINEL_WORD, WORLD)
                 acc += got.to(tl.float32, bitcast=True)
         if b == pid:  # the first wait has ended: every peer's programs of this call have started
             release_next(PDL)

@@ -32,7 +32,8 @@ tile is polled with volatile loads until nothing is missing or the host clock pa
 thread runs a program there, so a block-wide condition is that thread's own).
 
 The block-wide wait, for tiles not in whole vectors per thread (rows of several tiles; the QK norm's
-float32 words): :func:`wait_peer`, one peer at a time, a block-wide reduction each round.
+float32 words): :func:`wait_peer`, one peer at a time, each round decided by ``sync.block_code`` (an OR
+over every thread through shared memory), so every branch in and after its loop is block-uniform.
 """
 
 import triton
@@ -42,12 +43,20 @@ from ..env import interpreter_enabled
 from .sync import (
     ERR_MISMATCH,
     NOTIFIED_FLAG,
+    WAIT_DATA,
+    WAIT_EXPIRED,
+    WAIT_LATE,
+    WAIT_OTHER,
+    WAIT_TAG,
+    bit_or,
     abort_index,
     abort_word,
+    block_code,
     now_ns,
     record_error,
     record_timeout,
     store_abort,
+    tell_mismatch,
 )
 
 #: Two sentinels in one 32-bit word: the re-armed state of a Lamport vector.
@@ -232,9 +241,12 @@ def words_to_elems(w0, w1, w2, w3, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BITS: tl.constexpr):
-    """One round of :func:`wait_peer`: ``(code, tile)``, the block-wide max of the per-lane code (see there)
-    and the tile as loaded."""
+def _poll_code(p, mask, tag_ptr, want_low, signature, SENTINEL_BITS: tl.constexpr):
+    """One round of :func:`wait_peer`: ``(code, tile)``, the tile as this thread loaded it and the OR over
+    its lanes of ``sync.WAIT_DATA`` (the lane holds the sentinel), with ``WAIT_TAG`` (this thread's load
+    of the tag is not of this epoch) or ``WAIT_OTHER`` (this epoch with another signature). A tile
+    narrower than the program is replicated over warps and each warp reduces its own copy, so ``code``
+    is this thread's view; :func:`sync.block_code` makes it the block's."""
     seen = tl.load(tag_ptr, volatile=True)
     low = (seen & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
     tile = tl.load(p, mask=mask, other=0, volatile=True)
@@ -242,49 +254,51 @@ def _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BI
         bits = tile.to(tl.int16, bitcast=True)
     else:
         bits = tile.to(tl.int32, bitcast=True)
-    missing = (bits == SENTINEL_BITS) | (low != want_low)  # per lane
-    code = ((bits == SENTINEL_BITS).to(tl.int32) + tl.where(low != want_low, 2, 0)
-            + tl.where(missing & (waited >= limit), 4, 0)  # expired: only where something is missing
-            + tl.where(((seen >> 32).to(tl.int32) != signature) & (low == want_low), 8, 0))
-    return tl.max(code, axis=0), tile
+    data = tl.reduce(tl.where(bits == SENTINEL_BITS, WAIT_DATA, 0), 0, bit_or)
+    other = ((seen >> 32).to(tl.int32) != signature) & (low == want_low)
+    return data | tl.where(low != want_low, WAIT_TAG, 0) | tl.where(other, WAIT_OTHER, 0), tile
 
 
 @triton.jit
 def wait_peer(p, mask, tag_ptr, q, rank, epoch, program, signature, timeout, limit, err_ptr, state_ptr, table_ptr,
-              abort_off, SENTINEL_BITS: tl.constexpr, WORLD: tl.constexpr):
+              abort_off, tell_idx, tell_to, SENTINEL_BITS: tl.constexpr, WORLD: tl.constexpr):
     """The block-wide Lamport wait on one peer ``q``: spin until this program's call tag from ``q``
     (``tag_ptr``) carries this epoch and no element of the tile at ``p`` (where ``mask``; 16- or 32-bit
     elements, compared by their bits with ``SENTINEL_BITS``) holds the sentinel, at most ``limit`` ns (the
-    timeout and its grace). A tag of this epoch with another signature ends the wait at once and records
-    ``ERR_MISMATCH``; an expired wait records ``ERR_TIMEOUT``. Returns ``(timeout, tile)``: the timeout left
-    for later waits (``timeout``, or 0 once a wait failed) and the tile as the last round loaded it.
+    timeout and its grace). A tag of this epoch with another signature ends the wait at once, records
+    ``ERR_MISMATCH`` and stores this call's tag into ``q``'s tags of the programs this launch does not
+    have (``sync.tell_mismatch``: ``tell_idx`` the peer's tag of program 0 from this rank, programs up to
+    ``tell_to``); an expired wait records ``ERR_TIMEOUT``. Returns ``(timeout, tile)``: the timeout left
+    for later waits (``timeout``, or 0 once a wait failed) and the tile as the last round loaded it
+    (every thread's lanes arrived when the wait succeeded).
 
-    Every thread loads the tag and reads the clock itself, so threads may disagree on both; the loop's
-    condition is therefore one block-wide max of a per-lane code (1: this element holds the sentinel,
-    2: this thread sees no tag of this epoch yet, 4: this thread's wait expired with one of those still
-    missing, 8: this thread sees this epoch's tag with another call's signature), the same value in
-    every thread: the reduction's barriers inside the loop are reached by every warp the same number of
-    times. A timeout of 0 (an earlier wait failed) records nothing more (the error recorded first stays).
-    Past the timeout a thread stores this rank's abort word in ``q`` once (``sync.store_abort``:
-    ``table_ptr`` the address table, ``abort_off`` the place of a rank's state word from its base), the
-    wait goes on for the grace (``sync.grace_ns``), and a thread that stored the word withdraws it when
-    the peer arrives within the grace."""
+    Every decision is the block's: each round ends in ``sync.block_code``, the OR over every thread of
+    what it loaded and of its own clock, through shared memory, so the loop's exit, the abort store (a
+    release whose barrier every thread reaches) and the error records are block-uniform branches, whatever
+    the tile's width (the QK norm's two float32 words are replicated over warps). A timeout of 0 (an
+    earlier wait failed) records nothing more (the error recorded first stays). Past the timeout the
+    program stores this rank's abort word in ``q`` once (``sync.store_abort``: ``table_ptr`` the address
+    table, ``abort_off`` the place of a rank's state word from its base), the wait goes on for the grace
+    (``sync.grace_ns``), and the word is withdrawn when the peer arrives within the grace."""
     want_low = tag_low(epoch)
     abort_idx = abort_index(abort_off, program, rank, WORLD)
     start = now_ns()
-    waited = start - start
-    code, tile = _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BITS)
-    told = waited * 0
-    while (code > 0) & (code < 4):  # data or tag still missing; no expiry, no other call seen
-        waited = now_ns() - start
-        if (waited >= timeout) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
+    code, tile = _poll_code(p, mask, tag_ptr, want_low, signature, SENTINEL_BITS)
+    code = block_code(code, start, timeout, limit)
+    told = code * 0
+    while ((code & (WAIT_DATA | WAIT_TAG)) != 0) & ((code & (WAIT_EXPIRED | WAIT_OTHER)) == 0):
+        if ((code & WAIT_LATE) != 0) & (timeout > 0) & (told == 0):  # the slow path: tell the peer, once
             store_abort(table_ptr + q, abort_off, abort_idx, abort_word(epoch))
-            told = waited * 0 + 1
-        code, tile = _poll_code(p, mask, tag_ptr, want_low, signature, waited, limit, SENTINEL_BITS)
-    if (code == 0) & (told != 0):  # arrived within the grace: withdraw the word
-        store_abort(table_ptr + q, abort_off, abort_idx, waited * 0)
-    if (code >= 4) & (code < 8) & (timeout > 0):  # timeout 0: an earlier error is recorded already
-        record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
-    if (code >= 8) & (timeout > 0):
+            told = code * 0 + 1
+        code, tile = _poll_code(p, mask, tag_ptr, want_low, signature, SENTINEL_BITS)
+        code = block_code(code, start, timeout, limit)
+    other = (code & WAIT_OTHER) != 0
+    missing = (code & (WAIT_DATA | WAIT_TAG)) != 0
+    if (not missing) & (not other) & (told != 0):  # arrived within the grace: withdraw the word
+        store_abort(table_ptr + q, abort_off, abort_idx, epoch.to(tl.int64) * 0)
+    if other & (timeout > 0):  # a mismatch wins over a timeout; timeout 0: an earlier error is recorded
         record_error(err_ptr, state_ptr, ERR_MISMATCH, q, epoch, program, signature)
-    return tl.where((code != 0) | (timeout == 0), 0, timeout), tile
+        tell_mismatch(table_ptr + q, tell_idx, tl.num_programs(0), tell_to, tag_value(epoch, signature), WORLD)
+    elif missing & (timeout > 0):
+        record_timeout(err_ptr, state_ptr, q, epoch, program, signature)
+    return tl.where(missing | other | (timeout == 0), 0, timeout), tile

@@ -191,6 +191,65 @@ else:
         return tl.max(now - start, axis=0)
 
 
+#: Bits of a block-wide wait's code (:func:`block_code`, ``spin.wait_peer``): the data is missing (a lane
+#: holds the sentinel), this epoch's call tag is missing, the wait expired with one of those, the tag is
+#: this epoch's with another call's signature, the wait is past its timeout (its grace has begun).
+WAIT_DATA = tl.constexpr(1)
+WAIT_TAG = tl.constexpr(2)
+WAIT_EXPIRED = tl.constexpr(4)
+WAIT_OTHER = tl.constexpr(8)
+WAIT_LATE = tl.constexpr(16)
+
+
+@triton.jit
+def bit_or(a, b):
+    return a | b
+
+
+if interpreter_enabled():
+    @triton.jit
+    def block_code(code, start, timeout, limit):
+        """The interpreter's :func:`block_code`: one thread runs a program, so its code is the block's."""
+        waited = now_ns() - start
+        missing = (code & (WAIT_DATA | WAIT_TAG)) != 0
+        return (code | tl.where(missing & (waited >= limit), WAIT_EXPIRED, 0)
+                | tl.where(waited >= timeout, WAIT_LATE, 0))
+else:
+    @triton.jit
+    def block_code(code, start, timeout, limit):
+        """One round's decision of a block-wide wait, the same value in every thread: the bitwise OR over
+        the program's threads of ``code`` (int32, this thread's ``WAIT_DATA``, ``WAIT_TAG``, ``WAIT_OTHER``
+        bits) with ``WAIT_EXPIRED`` where this thread's clock has passed ``limit`` ns since ``start`` (its
+        own earlier :func:`now_ns`) while it misses something, and ``WAIT_LATE`` where it has passed
+        ``timeout``. The OR runs over ``CLOCK_LANES`` lanes, at least one per thread, each holding its
+        thread's code and its own clock read (an opaque asm over the lanes, which the compiler cannot fold
+        into one value): a reduction through shared memory, so warps that loaded different words, or a
+        tile replicated over warps (each warp reducing its own copy), still leave the loop together."""
+        lanes = tl.arange(0, CLOCK_LANES)
+        now = tl.inline_asm_elementwise(_GLOBALTIMER, "=l,r", [lanes], dtype=tl.int64, is_pure=False, pack=1)
+        waited = now - start
+        missing = (code & (WAIT_DATA | WAIT_TAG)) != 0
+        bits = (code | tl.where(missing & (waited >= limit), WAIT_EXPIRED, 0)
+                | tl.where(waited >= timeout, WAIT_LATE, 0))
+        return tl.reduce(bits, 0, bit_or)
+
+
+@triton.jit
+def tell_mismatch(table_entry_ptr, first_idx, p_from, p_to, value, WORLD: tl.constexpr):
+    """Store ``value`` (this rank's flag or call tag of this call, int64) into the slots of programs
+    ``p_from .. p_to - 1`` of the peer whose base address is at ``table_entry_ptr``: program ``p``'s slot
+    is ``first_idx + p * WORLD`` int64 elements from the base. A program that found the peer's call to be
+    another call (``ERR_MISMATCH``) tells the peer's programs that have no partner here (``p_from``: this
+    launch's size; a call with another token count has another grid): they find this call's signature
+    at once and record the mismatch too, instead of waiting out the timeout. Call it from a block-uniform
+    branch, on the error path only; a slot holds this epoch, so no later call matches it."""
+    base = tl.load(table_entry_ptr).to(tl.pointer_type(tl.int64))
+    lanes = tl.arange(0, CLOCK_LANES)
+    for p0 in range(p_from, p_to, CLOCK_LANES):
+        p = p0 + lanes
+        tl.store(base + first_idx + p.to(tl.int64) * WORLD, value + lanes.to(tl.int64) * 0, mask=p < p_to)
+
+
 @triton.jit
 def flag_value(epoch, signature):
     """The int64 a flag carries: ``signature << 32 | (epoch mod 2**32)``."""
@@ -295,7 +354,7 @@ def check_abort(state_ptr, word, rank, epoch, program, signature, err_ptr, timeo
 
 @triton.jit
 def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state_ptr, abort_at, abort_off,
-              abort_idx):
+              abort_idx, tell_idx, pad_programs, WORLD: tl.constexpr):
     """Spin until the low 32 bits of ``*flag_ptr`` equal ``epoch`` (acquire, system scope), at most
     ``timeout`` nanoseconds, then check the signature.
 
@@ -305,7 +364,9 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
     peer that arrives within it completes the call with this rank, and the word is withdrawn. On expiry
     records ``ERR_TIMEOUT``, on another signature ``ERR_MISMATCH`` (:func:`record_error`; neither when
     ``timeout`` is 0: an earlier failure's error, which names the peer really at fault, stays), and
-    returns False.
+    returns False. On a mismatch it also stores this call's flag into the peer's slots of the programs
+    this launch does not have (:func:`tell_mismatch`: ``tell_idx`` the peer's slot of program 0 for this
+    rank, programs up to ``pad_programs``), so that a peer whose call has more programs ends at once.
     The caller runs ``tl.debug_barrier()`` before loading the data this flag publishes.
 
     The loop exits the same round in every thread: Triton loads a scalar flag in one thread and
@@ -338,6 +399,7 @@ def wait_flag(flag_ptr, epoch, signature, peer, program, timeout, err_ptr, state
             record_error(err_ptr, state_ptr, ERR_TIMEOUT, peer, epoch, program, signature)
     elif (not same_call) & (timeout > 0):  # timeout 0: the error recorded first stays
         record_error(err_ptr, state_ptr, ERR_MISMATCH, peer, epoch, program, signature)
+        tell_mismatch(abort_at, tell_idx, tl.num_programs(0), pad_programs, flag_value(epoch, signature), WORLD)
     return arrived & same_call
 
 
@@ -356,16 +418,18 @@ def signal_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, W
 
 @triton.jit
 def wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
-               abort_off, WORLD: tl.constexpr):
+               abort_off, pad_programs, WORLD: tl.constexpr):
     """Wait for the same program of every peer to signal this phase, then a program-wide barrier (so no
     thread reads before the wait). Returns the timeout left for later waits: ``timeout``, or 0 once a
     wait failed. ``abort_off``: int64 elements from a rank's signal pad to its state word
-    (``Workspace.abort_offset("flag")``)."""
+    (``Workspace.abort_offset("flag")``); ``pad_programs``: the signal pad's programs
+    (``Workspace.pad_programs``)."""
     own = own_ptr(flag_bases, flag_table_ptr, rank, tl.int64, WORLD) + flag_off
     for q in tl.static_range(WORLD):
         if q != rank:
             ok = wait_flag(own + q, epoch, signature, q, program, timeout, err_ptr, state_ptr,
-                           flag_table_ptr + q, abort_off, abort_index(abort_off, program, rank, WORLD))
+                           flag_table_ptr + q, abort_off, abort_index(abort_off, program, rank, WORLD),
+                           flag_off - program * WORLD + rank, pad_programs, WORLD)
             timeout = tl.where(ok, timeout, 0)
     tl.debug_barrier()
     return timeout
@@ -373,25 +437,35 @@ def wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, pro
 
 @triton.jit
 def exchange_flags(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr, state_ptr,
-                   abort_off, alive, WORLD: tl.constexpr):
+                   abort_off, alive, pad_programs, WORLD: tl.constexpr):
     """:func:`signal_peers` (when ``alive``: :func:`check_abort`) then :func:`wait_peers`: publish this
     program's stores and wait for the same program of every peer. Returns the timeout left for later
     waits."""
     if alive:
         signal_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, WORLD)
     return wait_peers(flag_table_ptr, flag_bases, flag_off, epoch, signature, rank, program, timeout, err_ptr,
-                      state_ptr,
-                      abort_off, WORLD)
+                      state_ptr, abort_off, pad_programs, WORLD)
+
+
+#: Error words (``Workspace.err``, int32): record 0 at words 0-4, ``(code, peer, epoch, program,
+#: signature)`` of a timeout or an abort, and record 1 at words 5-9, of a mismatch; word 0 holds the code
+#: of any error (what a call checks). A mismatch goes to its own record, so a timeout of another program
+#: recorded after it never hides it: the host reports record 1 when it holds one (``Workspace.read_error``).
+ERR_WORDS, MISMATCH_RECORD = 10, tl.constexpr(5)
 
 
 @triton.jit
 def record_error(err_ptr, state_ptr, code, peer, epoch, program, signature):
     """Write ``(code, peer, epoch, program, signature)`` to the error words (the signature names the call
-    that failed, graph replays included) and set ``BROKEN_BIT`` in the state word."""
-    tl.store(err_ptr + 1, peer)
-    tl.store(err_ptr + 2, epoch)
-    tl.store(err_ptr + 3, program)
-    tl.store(err_ptr + 4, signature)
+    that failed, graph replays included; a mismatch to its own record, ``ERR_WORDS``), the code to word 0,
+    and set ``BROKEN_BIT`` in the state word. The caller branches to it on a block-uniform value: the
+    stores are thread 0's and the atomic broadcasts through a barrier."""
+    at = tl.where(code == ERR_MISMATCH, MISMATCH_RECORD, 0)
+    tl.store(err_ptr + at + 1, peer)
+    tl.store(err_ptr + at + 2, epoch)
+    tl.store(err_ptr + at + 3, program)
+    tl.store(err_ptr + at + 4, signature)
+    tl.store(err_ptr + at, code)
     tl.store(err_ptr, code)
     tl.atomic_or(state_ptr, BROKEN_BIT, sem="relaxed", scope="sys")
 
@@ -399,14 +473,16 @@ def record_error(err_ptr, state_ptr, code, peer, epoch, program, signature):
 @triton.jit
 def record_lanes(err_ptr, state_ptr, code, peer, failed, epoch, program, signature):
     """:func:`record_error` from the lanes where ``failed`` (``code``, ``peer``: int32 tensors of its
-    shape), each lane its own stores, with no block-wide step: for a wait whose lanes finish
-    independently. Lanes that record at once must agree on ``code`` and ``peer`` (the words are
-    stored one by one, the code last, and any lane's store may land last)."""
+    shape), each lane its own stores, with no branch and no block-wide step: for a wait whose lanes finish
+    independently. Lanes that record into one record at once must agree on ``peer`` (the words are stored
+    one by one, the code last, and any lane's store may land last)."""
     z = peer * 0
-    tl.store(err_ptr + 1 + z, peer, mask=failed)
-    tl.store(err_ptr + 2 + z, epoch + z, mask=failed)
-    tl.store(err_ptr + 3 + z, program + z, mask=failed)
-    tl.store(err_ptr + 4 + z, signature + z, mask=failed)
+    at = tl.where(code == ERR_MISMATCH, MISMATCH_RECORD, 0)
+    tl.store(err_ptr + at + 1, peer, mask=failed)
+    tl.store(err_ptr + at + 2, epoch + z, mask=failed)
+    tl.store(err_ptr + at + 3, program + z, mask=failed)
+    tl.store(err_ptr + at + 4, signature + z, mask=failed)
+    tl.store(err_ptr + at, code, mask=failed)
     tl.store(err_ptr + z, code, mask=failed)
     tl.atomic_or(state_ptr + z, BROKEN_BIT, mask=failed, sem="relaxed", scope="sys")
 

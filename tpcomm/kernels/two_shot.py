@@ -115,7 +115,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                         tl.store(dst + cols, tl.load(x_ptr + row_start + cols, mask=mask), mask=mask)
     timeout = exchange_flags(flag_table_ptr, flag_bases, flag_offset(par, 0, pid, pad_programs, WORLD), epoch,
                              signature,
-                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, WORLD)
+                             rank, pid, timeout, err_ptr, state_ptr, abort_off, alive, pad_programs, WORLD)
     release_next(PDL)  # every peer's programs of this call have started
 
     # 2. Reduce this rank's share in rank order. s goes to this rank's out (the result of a
@@ -161,8 +161,7 @@ def _two_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
                                     WORLD, BLOCK_H, NUM_TILES, NORM, HAS_RESIDUAL, GEMMA, SUM_LOAD,
                                     QUANT, STORE_OUT, FP8, NATIVE_FP8, GROUP, False)
         timeout = wait_peers(flag_table_ptr, flag_bases, flags, epoch, signature, rank, pid, timeout, err_ptr,
-                             state_ptr,
-                             abort_off, WORLD)
+                             state_ptr, abort_off, pad_programs, WORLD)
         # 3b. The epilogue of every peer's row j, from the gathered sums.
         for jj in range(pid, n_local, num_programs):
             j = j0 + jj
