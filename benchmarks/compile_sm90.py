@@ -176,7 +176,7 @@ def variants() -> list[tuple]:
                 "ko_stride": "i32", "slot_stride": "i32", "parity_stride": "i32", "eps": "fp32", "timeout": "i64",
                 "rank": "i32", "signature": "i32", "tag_off": "i32", "max_programs": "i32", "abort_off": "i32"}
     for world, bq, tq, bk, warps in ((2, 4096, 1, 512, 8), (8, 256, 3, 64, 4)):
-        results.append(("qk_norm", "bf16", bq, tq, 0, True,
+        results.append(("qk_norm", "bf16", bq, tq, "-", True,
                         job(qk_norm._qk_norm_kernel, qk_types,
                             {"WORLD": world, "ROWS": 1, "BLOCK_Q": bq, "TILES_Q": tq, "BLOCK_K": bk, "TILES_K": 1,
                              "IN_PLACE": world == 2, "PDL": True}, warps)))

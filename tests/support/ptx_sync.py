@@ -97,12 +97,9 @@ def _strip(ptx: str) -> list[tuple[int, str]]:
 def _statements(lines: list[tuple[int, str]]):
     """``(kind, line, text, scope path)`` for each scope brace, label and statement of the body."""
     # skip the parameter list: the body starts at the first "{" after the closing ")" of the header
-    i, depth_paren = 0, 0
+    depth_paren = 0
     buf = " ".join(t for _, t in lines)
-    flat = []  # (line, char) positions
-    for ln, t in lines:
-        for ch in t + " ":
-            flat.append(ln)
+    flat = [ln for ln, t in lines for _ in t + " "]  # the source line of each character of buf
     pos = 0
     while pos < len(buf):
         ch = buf[pos]
