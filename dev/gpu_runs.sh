@@ -31,6 +31,9 @@
 #                                        # TRT-LLM's MoE fusions beside, FlashInfer from .whl/; MOE=0: no MoE bench)
 #   bash dev/gpu_runs.sh model           # ONE GPU: tpcomm demo --model llama and gemma on loopback ranks
 #                                        # (transformers from .whl-hf/), then the loopback tests
+#   bash dev/gpu_runs.sh sweep           # ONE GPU: the deadline sweep (tests/faults/test_gpu_deadline_sweep.py)
+#                                        # within SWEEP_S s (default 240; the trials get a third, compiling
+#                                        # the rest; SWEEP_TRIALS per op, default 600); its JSON summaries kept
 #
 # A tree is a copy of the package: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`.
 # FlashInfer without network: docs/flashinfer-offline.md. Logs go to $OUT/work (OUT defaults to ./out) and are
@@ -177,8 +180,26 @@ model)
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py --durations=5 \
         > $W/loopback_tests.log 2>&1
     echo "loopback_tests rc=$?" >> $W/summary.txt; tail -3 $W/loopback_tests.log >> $W/summary.txt ;;
+sweep)
+    # Every op that waits, rank 1 late by the timeout +-5 us on loopback ranks: each call gives the reference's
+    # bits on every rank or fails on every rank as docs/reliability.md says; and a peer with another token
+    # count: a mismatch on every rank. The QK norm in a process of its own (a kernel that hangs ends its
+    # process through the test's watchdog, not the other ops' runs). The trials of all ops take at most a
+    # third of SWEEP_S; outcomes per op into the summary, each process's JSON beside its log.
+    S=${SWEEP_S:-240}
+    sweep_part() { name=$1; limit=$2; shift 2
+        TPCOMM_SWEEP_OUT=$W/sweep-$name.json TPCOMM_SWEEP_S=$((S / 3)) TPCOMM_SWEEP_TRIALS=${SWEEP_TRIALS:-600} \
+            timeout $limit python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/faults/test_gpu_deadline_sweep.py \
+            --durations=5 "$@" > $W/sweep-$name.log 2>&1
+        echo "sweep-$name rc=$?" >> $W/summary.txt; grep -E "passed|failed|^FAILED|^ERROR" $W/sweep-$name.log | tail -20 >> $W/summary.txt
+        python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(d['gpu'], d['trials'], 'trials')
+for part in ('sweep', 'mismatch'):
+    for op, t in d[part].items(): print(part, op, t['trials'], t.get('outcomes', t.get('error')))" $W/sweep-$name.json \
+            >> $W/summary.txt 2>&1; }
+    sweep_part ops $((S * 2 / 3)) -k "not qk_rmsnorm"
+    sweep_part qk $((S / 3)) -k qk_rmsnorm ;;
 *)
-    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|model"; exit 2 ;;
+    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|model|sweep"; exit 2 ;;
 esac
 # What comes back from a lent machine is a few files: the tarball and the summary (a run cut short leaves $OUT/work).
 tar czf "$OUT/results-$1.tgz" -C "$W" . && cat "$W/summary.txt" >> "$OUT/summary.txt" && cat "$W/summary.txt"

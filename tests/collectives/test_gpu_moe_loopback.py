@@ -4,9 +4,9 @@ Marked ``gpu``; needs one CUDA GPU. For each algorithm, K, layout and shared out
 outputs equal the unfused composition (``tpcomm.moe_finalize`` then ``fused_add_rmsnorm``) bit for bit
 on every rank, and a plain-torch oracle (``moe_finalize_reference``, ``reduce_in_rank_order``,
 ``add_rmsnorm_reference``); a second call gives the same bits; every quant form at one shape; a CUDA
-graph of an odd number of calls replayed on new inputs; an index outside ``[0, M)`` on CUDA adds
-nothing (masked, no fault); ranks calling with another K raise ``PeerMismatchError``. The numerics on
-CPU ranks: ``tests/collectives/test_moe_finalize.py``.
+graph of an odd number of calls of several sizes replayed on new inputs (every call checked); an index
+outside ``[0, M)`` on CUDA adds nothing (masked, no fault); ranks calling with another K raise
+``PeerMismatchError``. The numerics on CPU ranks: ``tests/collectives/test_moe_finalize.py``.
 
     python -m pytest -q -m gpu tests/collectives/test_gpu_moe_loopback.py
 """
@@ -139,34 +139,40 @@ def test_every_quant_form(groups, algo, form):
 
 
 def test_graph_replays_with_new_inputs(groups):
-    """Five fused calls (Lamport, one-shot, two-shot sizes) captured in one graph and replayed three times
-    with new inputs copied in: every replay's last outputs equal the oracle's."""
+    """Five fused calls of 1 to 256 tokens (the plans the default dispatch gives them), each on its own
+    inputs, captured in one graph and replayed three times with new expert outputs copied in: every
+    call's outputs equal the oracle's on every rank in every replay."""
+    from tests.support.numerics import Checks
     from tpcomm.loopback import run_ranks
 
     ranks = groups(2)
-    T, K, H = 16, 8, 3072
-    args, res, nw = _inputs(2, T, K, H, True, False, 1)
-    static = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()} for a in args]
+    K, H = 8, 3072
+    calls = [_inputs(2, T, K, H, True, False, 1 + i) for i, T in enumerate((1, 16, 64, 256, 16))]
 
-    def fused(rank):
-        return rank.fused_moe_finalize_add_rmsnorm(residual=res, weight=nw, **static[rank.rank])
+    def issue(args, res, nw):
+        return run_ranks(ranks, lambda rank: rank.fused_moe_finalize_add_rmsnorm(residual=res, weight=nw,
+                                                                                 **args[rank.rank]))
 
-    run_ranks(ranks, fused)  # compile and load outside the capture
+    for call in calls:  # compile and load outside the capture, one call per run_ranks
+        issue(*call)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(4):
-            run_ranks(ranks, fused)
-        outs = run_ranks(ranks, fused)
+        outs = [issue(*call) for call in calls]
+    check = Checks()
     for replay in range(3):
-        new, _, _ = _inputs(2, T, K, H, True, False, 100 + replay)
-        for s, n in zip(static, new):
-            s["expert_out"].copy_(n["expert_out"])
+        for i, (args, _, _) in enumerate(calls):
+            new, _, _ = _inputs(2, args[0]["index"].shape[0], K, H, True, False, 100 + 10 * replay + i)
+            for s, n in zip(args, new):
+                s["expert_out"].copy_(n["expert_out"])
         graph.replay()
         torch.cuda.synchronize()
-        oracle = _oracle(static, res, nw)
-        for r, o in enumerate(outs):
-            assert _eq(o[0], oracle[0]) and _eq(o[1], oracle[1]), f"replay {replay}, rank {r} differs"
+        for i, (args, res, nw) in enumerate(calls):
+            oracle = _oracle(args, res, nw)
+            for r, o in enumerate(outs[i]):
+                check.that(_eq(o[0], oracle[0]) and _eq(o[1], oracle[1]),
+                           f"replay {replay}, call {i} (T={res.shape[0]}), rank {r}: outputs differ from the oracle")
+    check.done()
 
 
 def test_index_out_of_range_adds_nothing_on_cuda(groups):

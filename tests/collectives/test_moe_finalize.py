@@ -5,14 +5,17 @@ For every case, on each rank: the fused call's outputs (``out``, ``residual_out`
 and scales) equal the documented unfused composition ``comm.fused_add_rmsnorm(tpcomm.moe_finalize(...),
 ...)`` bit for bit, every rank holds the same bits, and the composition's ``residual_out`` and ``out``
 equal a plain-torch oracle (``moe_finalize_reference`` per rank, ``reduce_in_rank_order``,
-``add_rmsnorm_reference``), which is exact to the bit. The standalone op equals its plain-torch oracle. The
-``tpcomm.ops`` forms equal the methods, eagerly and under ``torch.compile(fullgraph=True)``.
+``add_rmsnorm_reference``), which is exact to the bit. The standalone op equals its plain-torch oracle. An
+index entry outside ``[0, M)`` (int32 and int64, past the host's check of CPU indices) adds nothing, in the
+standalone kernel and in the fused prologue. The ``tpcomm.ops`` forms equal the methods, eagerly and under
+``torch.compile(fullgraph=True)``.
 
 The interpreter is slow, so the dimensions (world size 2 / 3 / 4, algorithm, dtype, K in {1, 2, 8}, both
-layouts, ``shared_out``, every quant form, H in {3072, 7168, 2880, 130}, T from 1 to 513, chunked
-calls, rows of one tile in whole vectors (Lamport's spin) and not (its block-wide poll and the staged
-own row)) are covered by a sample in which each value occurs, not by their product. Rank bodies sit
-here, beside the tests (they pickle by this module's name).
+layouts, ``shared_out``, every quant form, H in {3072, 7168, 2880, 130, 64, 8192}, T from 1 to 513,
+chunked calls, a negative scaling, rows of one tile in whole vectors (Lamport's spin, with one row or
+several a program) and not (its block-wide poll and the staged own row)) are covered by a sample in which
+each value occurs, not by their product. Rank bodies sit here, beside the tests (they pickle by this
+module's name).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 class MoeCase:
     """One call: ``T`` tokens of ``H``, ``K`` slots; ``perm``: the ``(M, H)`` permuted layout with an index
     (M = T * K + 3 rows, three of them unused); ``shared``: a shared-expert output; ``quant``: a quant form
-    (its ``scale`` for static FP8 and NVFP4); ``max_bytes``: small to chunk the call."""
+    (its ``scale`` for static FP8 and NVFP4); ``max_bytes``: small to chunk the call; ``max_programs``: a
+    grid cap (``TPCOMM_MAX_PROGRAMS``) under the rows of a launch, so that a program takes several rows."""
 
     seed: int
     world: int
@@ -51,6 +55,7 @@ class MoeCase:
     scaling: float = 1.0
     max_bytes: int | None = None
     w_dtype: torch.dtype = FP32
+    max_programs: int | None = None
 
 
 def _gen(case: MoeCase, rank: int, role: int) -> torch.Generator:
@@ -94,19 +99,32 @@ def _norm_args(case: MoeCase):
 
 
 def fused_case(ctx, case: MoeCase) -> dict:
-    """The fused call and the unfused composition on the same communicator and algorithm."""
-    comm = ctx.comm(max_bytes=case.max_bytes)
-    args = moe_inputs(case, ctx.rank)
+    """The fused call and the unfused composition on the same communicator and algorithm (a new one, closed
+    afterwards, for a grid cap)."""
+    if case.max_programs is None:
+        return _fused_and_composed(ctx.comm(max_bytes=case.max_bytes), ctx.rank, case)
+    comm = harness.new_communicator(max_bytes=case.max_bytes, env={"TPCOMM_MAX_PROGRAMS": str(case.max_programs)})
+    try:
+        return _fused_and_composed(comm, ctx.rank, case)
+    finally:
+        comm.close()
+
+
+def _fused_and_composed(comm, rank: int, case: MoeCase) -> dict:
+    args = moe_inputs(case, rank)
     residual, weight = _norm_args(case)
     qkw = quant_kwargs(case)
     with comm.use_algorithm(case.algo):
         plan = comm.plan("fused_add_rmsnorm", case.T * case.H * args["expert_out"].element_size(), case.H,
                          case.dtype).algorithm
+        before = comm.workspace.epoch() if comm.workspace is not None else 0
         fused = comm.fused_moe_finalize_add_rmsnorm(residual=residual, weight=weight, eps=1e-6, gemma=case.gemma,
                                                     **args, **qkw)
+        launches = (comm.workspace.epoch() if comm.workspace is not None else 0) - before
         x = tpcomm.moe_finalize(**args)
         composed = comm.fused_add_rmsnorm(x, residual, weight, eps=1e-6, gemma=case.gemma, **qkw)
-    return dict(plan=plan, fused=_picklable(fused), composed=_picklable(composed), x=x)
+    return dict(plan=plan, launches=launches, grid=comm.workspace.max_programs if comm.workspace else None,
+                fused=_picklable(fused), composed=_picklable(composed), x=x)
 
 
 def _picklable(outs) -> list:
@@ -143,6 +161,12 @@ def _check(case: MoeCase, results: list) -> None:
     for r, res in enumerate(results):
         p = f"rank {r}"
         check.that(res["plan"] == case.algo, f"{p}: plan {res['plan']!r}, expected {case.algo!r}")
+        if case.max_programs is not None:  # Lamport rows of 16-bit elements, H a multiple of 16
+            per_launch = case.max_bytes // (2 * case.H)
+            want = (-(-case.T // per_launch), case.max_programs)
+            check.that((res["launches"], res["grid"]) == want and per_launch > case.max_programs,
+                       f"{p}: {res['launches']} launches on a grid cap of {res['grid']}, expected {want} and "
+                       f"more rows a launch ({per_launch}) than programs")
         check(assert_same_bits, res["x"], xs[r], f"{p}: moe_finalize vs moe_finalize_reference")
         for name, got, want in zip(names, res["fused"], res["composed"]):
             _same(check, got, want, f"{p}: {name}, fused vs composition")
@@ -161,7 +185,11 @@ def _c(seed, world, algo, dtype, T, K, H, **kw):
 
 #: Each world size, algorithm, K, layout, quant form and H occurs; T from 1 to 513. H = 130 rows are not
 #: whole 16-byte vectors (Lamport's block-wide poll, with this rank's own row staged in its slot); 8320
-#: is two tiles. Small max_bytes (768, 8192) cut a call into launches of a few rows.
+#: is two tiles. Small max_bytes (768, 8192) cut a call into launches of a few rows. The last three run
+#: Lamport's spin (rows of one tile in whole vectors) with several rows a program (a grid cap under a
+#: launch's rows: each program makes its next row's finalize before that row's wait), in launches of
+#: 6 / 3 / 2 rows, with a negative scaling: H = 64 (re-armed after a barrier), 3072 (re-armed inside the
+#: spin) and 8192 (two vectors a thread).
 CASES = [
     _c(1, 2, "lamport", BF16, 3, 8, 3072, perm=True, shared=True, scaling=2.5),
     _c(2, 3, "one_shot", FP16, 5, 2, 130, quant="fp8_per_token", gemma=True),
@@ -177,13 +205,17 @@ CASES = [
     _c(12, 2, "lamport", BF16, 2, 2, 8320, perm=True, shared=True, w_dtype=FP16),
     _c(13, 3, "fallback", BF16, 2, 8, 3072, shared=True, quant="nvfp4", perm=True),
     _c(14, 2, "one_shot", BF16, 64, 8, 130, quant="fp8_per_token"),
+    _c(15, 2, "lamport", BF16, 13, 2, 64, perm=True, shared=True, scaling=-1.5, max_bytes=768, max_programs=2),
+    _c(16, 2, "lamport", FP16, 7, 8, 3072, scaling=-0.75, max_bytes=3 * 6144, max_programs=1, w_dtype=BF16),
+    _c(17, 2, "lamport", BF16, 5, 1, 8192, perm=True, shared=True, scaling=-2.0, max_bytes=2 * 16384,
+       max_programs=1, residual=False),
 ]
 
 
 def _id(case: MoeCase) -> str:
     return (f"w{case.world}-{case.algo}-{dtype_name(case.dtype)}-T{case.T}-K{case.K}-H{case.H}"
             f"{'-perm' if case.perm else ''}{'-shared' if case.shared else ''}-{case.quant or 'plain'}"
-            f"{'-chunked' if case.max_bytes else ''}")
+            f"{'-chunked' if case.max_bytes else ''}{f'-grid{case.max_programs}' if case.max_programs else ''}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -277,6 +309,98 @@ def test_standalone_matches_reference_and_masks_nothing_else():
         assert_same_bits(got, want, f"{dtype_name(dtype)} K={K} perm={perm}")
     empty = tpcomm.moe_finalize(torch.empty((0, 2, 8)), torch.empty((0, 2)))
     assert empty.shape == (0, 8)
+
+
+# -- an index outside [0, M) --------------------------------------------------------------------------
+#: Index entries outside ``[0, M)`` per index dtype, and the flat slots (of ``T * K = 15``) that get them:
+#: token 3 has all three slots outside with int64. 2**32 and 2**32 + 1 are rows 0 and 1 if truncated to
+#: 32 bits.
+MASKED = {torch.int32: ((-1, "M", 2**31 - 1, -2**31), (0, 4, 8, 9)),
+          torch.int64: ((-1, "M", 2**31 - 1, 2**32, 2**40, 2**32 + 1, -2**40), (0, 4, 8, 9, 10, 11, 13))}
+
+
+def masked_inputs(index_dtype, rank: int) -> dict:
+    """Rank ``rank``'s finalize arguments (the permuted layout, T = 5, K = 3, H = 64, a shared output, a
+    negative scaling) with the entries of ``MASKED[index_dtype]`` in the index; their weights are NaN, so
+    a slot that adds anything makes its token's row NaN."""
+    case = MoeCase(40, 2, "none", BF16, 5, 3, 64, perm=True, shared=True, scaling=-1.25)
+    args = moe_inputs(case, rank)
+    M = args["expert_out"].shape[0]
+    index, weights = args["index"].to(index_dtype).clone(), args["topk_weights"].clone()
+    for value, slot in zip(*MASKED[index_dtype]):
+        index.view(-1)[slot] = M if value == "M" else value
+        weights.view(-1)[slot] = float("nan")
+    return {**args, "index": index, "topk_weights": weights}
+
+
+def masked_reference(args: dict) -> torch.Tensor:
+    """The finalize with every slot outside ``[0, M)`` adding nothing: ``moe_finalize_reference`` with
+    those slots' weights 0 and rows clamped (``0 * e`` is a zero, and adding a zero to the sum, never
+    -0.0, leaves its bits)."""
+    index, M = args["index"], args["expert_out"].shape[0]
+    outside = (index < 0) | (index >= M)
+    return tpcomm.moe_finalize_reference(
+        **{**args, "index": index.clamp(0, M - 1), "topk_weights": args["topk_weights"].masked_fill(outside, 0.0)})
+
+
+def masked_index_case(ctx) -> dict:
+    """The fused call on Lamport (spin, three rows a program: a grid cap of 2) and one-shot with the indices
+    of :data:`MASKED`, past the host's range check, which reads CPU indices only (on CUDA the kernels'
+    masks are all there is): ``{(index dtype, algo): (out, residual_out)}``."""
+    from unittest import mock
+
+    from tpcomm.collectives import moe_finalize as host
+
+    comm = harness.new_communicator(env={"TPCOMM_MAX_PROGRAMS": "2"})
+    try:
+        residual, weight = residual_input(40, (5, 64), BF16), weight_input(40, 64, BF16)
+        got = {}
+        with mock.patch.object(host, "_tracing", lambda t: True):  # the check's skip for traced indices
+            for index_dtype in MASKED:
+                args = masked_inputs(index_dtype, ctx.rank)
+                for algo in ("lamport", "one_shot"):
+                    with comm.use_algorithm(algo):
+                        got[index_dtype, algo] = comm.fused_moe_finalize_add_rmsnorm(residual=residual, weight=weight,
+                                                                                    **args)
+        return got
+    finally:
+        comm.close()
+
+
+def test_an_index_outside_the_rows_adds_nothing_in_the_kernel():
+    """The standalone finalize kernel launched directly (the host refuses these indices on CPU tensors)
+    with int32 and int64 indices of -1, M, 2**31 - 1, 2**32, 2**40 and others: those slots add nothing,
+    whatever their (NaN) weights, and the other slots give the reference's bits."""
+    from tpcomm.dispatch import row_config
+    from tpcomm.kernels.moe import MoeIn, moe_finalize_call
+
+    for index_dtype in MASKED:
+        args = masked_inputs(index_dtype, 0)
+        (M, H), (T, K) = args["expert_out"].shape, args["index"].shape
+        moe = MoeIn(args["expert_out"], args["index"], args["topk_weights"], args["shared_out"], K, M, args["scaling"])
+        out = torch.full((T, H), float("nan"), dtype=BF16)
+        cfg = row_config(H, 1)
+        moe_finalize_call(moe, out, T, H, cfg.block_h, cfg.num_warps).launch()
+        assert_same_bits(out, masked_reference(args), f"index {index_dtype}")
+
+
+def test_an_index_outside_the_rows_adds_nothing_in_the_fused_prologue(pool2):
+    """The fused call's prologue (Lamport's spin with several rows a program, and one-shot) with the
+    indices of :data:`MASKED`: every rank's ``residual_out`` and ``out`` are the plain-torch oracle's of
+    the finalize in which those slots add nothing."""
+    residual, weight = residual_input(40, (5, 64), BF16), weight_input(40, 64, BF16)
+    check = Checks()
+    results = pool2.run(masked_index_case)
+    for index_dtype in MASKED:
+        xs = [masked_reference(masked_inputs(index_dtype, r)) for r in range(2)]
+        out_ref, ro_ref = add_rmsnorm_reference(reduce_in_rank_order(xs), residual, weight, 1e-6)
+        for r, got in enumerate(results):
+            for algo in ("lamport", "one_shot"):
+                out, ro = got[index_dtype, algo]
+                what = f"rank {r} {algo} index {index_dtype}"
+                check(assert_same_bits, ro, ro_ref, f"{what}: residual_out")
+                check(assert_same_bits, out, out_ref, f"{what}: out")
+    check.done()
 
 
 # -- torch.library ops ---------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Marked ``gpu``; needs one CUDA GPU. MiniMax-M2's widths and odd ones at 2, 3 and 4 ranks, bit for bit
 against the plain-torch reference on every rank (packed QKV views as inputs); a CUDA graph of repeated
-calls replayed on new inputs; a peer with another width raises ``PeerMismatchError`` and a missing peer
-``PeerTimeoutError``, instead of hanging.
+calls, each on its own inputs, replayed on new inputs (every call checked); a peer with another width
+raises ``PeerMismatchError`` and a missing peer ``PeerTimeoutError``, instead of hanging.
 
     python -m pytest -q -m gpu tests/qk_norm/test_gpu_qk_norm_loopback.py
 """
@@ -69,38 +69,43 @@ def test_every_rank_matches_the_reference(case):
 
 
 def test_graph_replays():
-    """A graph of 7 calls (an odd number: the parities alternate across replays), replayed 4 times on
-    new inputs: the last call's outputs match the reference on every rank each time."""
-    from tpcomm.kernels.qk_norm import fused_qk_rmsnorm_reference
+    """A graph of 7 calls (an odd number: the parities alternate across replays), each on its own inputs,
+    replayed 4 times with new inputs copied in: every call's outputs match the reference on every rank
+    in every replay (a call that read another call's words, or a stale parity's, would give other bits)."""
+    from tests.support.numerics import Checks
+    from tpcomm import fused_qk_rmsnorm_reference
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
     W, T, Hq, Hk = 2, 16, 3072, 512
     ranks = loopback_group(W, max_bytes=8 << 20, timeout_s=20.0)
     try:
-        qs, ks, wq, wk = _inputs(W, T, Hq, Hk, torch.bfloat16, seed=1)
+        calls = [_inputs(W, T, Hq, Hk, torch.bfloat16, seed=1 + i) for i in range(7)]
 
         def body():
-            out = None
-            for _ in range(7):
-                out = run_ranks(ranks, lambda rk: rk.fused_qk_rmsnorm(qs[rk.rank], ks[rk.rank], wq[rk.rank],
-                                                                      wk[rk.rank], 1e-6))
-            return out
+            return [run_ranks(ranks, lambda rk, c=c: rk.fused_qk_rmsnorm(c[0][rk.rank], c[1][rk.rank], c[2][rk.rank],
+                                                                          c[3][rk.rank], 1e-6))
+                    for c in calls]
 
         body()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = body()
+        check = Checks()
         for rep in range(4):
             g = torch.Generator(device="cuda").manual_seed(10 + rep)
-            for q, k in zip(qs, ks):
-                q.copy_(torch.randn(q.shape, device="cuda", generator=g))
-                k.copy_(torch.randn(k.shape, device="cuda", generator=g))
+            for qs, ks, _, _ in calls:
+                for q, k in zip(qs, ks):
+                    q.copy_(torch.randn(q.shape, device="cuda", generator=g) * 4)
+                    k.copy_(torch.randn(k.shape, device="cuda", generator=g) * 4)
             graph.replay()
             torch.cuda.synchronize()
-            want = fused_qk_rmsnorm_reference(qs, ks, wq, wk, 1e-6)
-            for r in range(W):
-                assert _same(outs[r][0], want[r][0]) and _same(outs[r][1], want[r][1]), f"replay {rep}, rank {r}"
+            for i, (qs, ks, wq, wk) in enumerate(calls):
+                want = fused_qk_rmsnorm_reference(qs, ks, wq, wk, 1e-6)
+                for r in range(W):
+                    check.that(_same(outs[i][r][0], want[r][0]) and _same(outs[i][r][1], want[r][1]),
+                               f"replay {rep}, call {i}, rank {r}: outputs differ from the reference")
+        check.done()
         for rank in ranks:
             rank.check()
     finally:

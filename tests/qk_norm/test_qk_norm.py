@@ -1,13 +1,15 @@
 """``fused_qk_rmsnorm`` on CPU ranks: bits against the plain-torch reference of every rank's inputs (the same
 scale on every rank), the kernel against the fallback, the contract's distance from a float32 RMSNorm of
-the unsharded q and k, special values, packed QKV views and in-place outputs, interleaving with the
-Lamport all-reduce (the buffers left armed), bad inputs, a peer with another width or call, and the
+the unsharded q and k, special values, packed QKV views and in-place outputs, the buffers left armed (every
+Lamport word the sentinel again, and Lamport all-reduces on both parities right after the call), a call
+cut into launches of a small Lamport slot, bad inputs, a peer with another width or call, and the
 ``torch.library`` op under ``torch.compile``. Rank bodies sit beside the tests that run them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.support.harness import new_communicator
 from tests.support.numerics import Checks, assert_same_bits, assert_same_values, assert_within_ulp, dtype_name, raised
@@ -55,21 +57,72 @@ def _float32_rmsnorm(xs, ws, eps):
 
 
 # -- rank bodies -------------------------------------------------------------------------------------------
+def _epoch(comm) -> int:
+    """The epoch the communicator's next launch takes (one step per launch)."""
+    return comm.workspace.epoch()
+
+
+def _unarmed_lamport_words(comm) -> int:
+    """16-bit words of this rank's Lamport buffers (both parities, every slot) that do not hold the
+    sentinel 0x8000, once every rank has finished its calls (a barrier before, and one after, so that no
+    peer pushes its next call's words while they are read)."""
+    ws = comm.workspace
+    dist.barrier()
+    base = ws.flag_bytes + ws.data_bytes
+    words = ws.buffer[base:base + ws.lamport_bytes].view(torch.int16)
+    unarmed = int((words != -32768).sum())
+    dist.barrier()
+    return unarmed
+
+
+def _lamport_after(comm, n: int) -> list[tuple[int, str, bool]]:
+    """Two bf16 Lamport all-reduces of ``n`` elements (``2 * n`` bytes of each slot) right after a QK
+    call: one on each parity, so one of them reads the words the QK kernel used and re-armed. Returns
+    ``(epoch, plan, exact)`` of each (every rank adds ``rank + 1``: an exact sum in bf16)."""
+    W, r = comm.world_size, comm.rank
+    x = torch.full((n,), float(r + 1), dtype=BF16)
+    got = []
+    with comm.use_algorithm("lamport"):
+        for _ in range(2):
+            epoch, plan = _epoch(comm), comm.plan("all_reduce", 2 * n, n, BF16).algorithm
+            got.append((epoch, plan, bool((comm.all_reduce(x) == W * (W + 1) / 2).all())))
+    return got
+
+
 def cases_body(ctx, cases):
-    """Every case on this rank: the kernel's outputs, the fallback's, and, after the case, a bf16 Lamport
-    all-reduce checked against the rank-order sum (the qk calls left the Lamport buffers armed)."""
+    """Every case on this rank: the kernel's outputs, the epoch of its launch and the launches it took,
+    the Lamport words left unarmed after it, two Lamport all-reduces over the words it used (both
+    parities, :func:`_lamport_after`), then the fallback's outputs."""
     comm = ctx.comm()
     W, r = ctx.world_size, ctx.rank
     out = []
     for seed, T, Hq, Hk, dtype, special in cases:
         qs, ks, wq, wk = _case_inputs(seed, W, T, Hq, Hk, dtype, special)
+        qk_epoch = _epoch(comm)
         kq, kk = comm.fused_qk_rmsnorm(qs[r], ks[r], wq[r], wk[r], EPS)
+        launches = _epoch(comm) - qk_epoch
+        unarmed = _unarmed_lamport_words(comm)
+        after = _lamport_after(comm, 4 * T)  # 8 bytes a row: every word of the QK call's rows
         with comm.use_algorithm("fallback"):
             fq, fk = comm.fused_qk_rmsnorm(qs[r], ks[r], wq[r], wk[r], EPS)
-        x = torch.full((3, 40), float(r + 1), dtype=BF16)
-        s = comm.all_reduce(x)
-        out.append((kq, kk, fq, fk, bool((s == W * (W + 1) / 2).all())))
+        out.append((kq, kk, fq, fk, dict(epoch=qk_epoch, launches=launches, unarmed=unarmed, after=after)))
     return out
+
+
+def chunked_body(ctx, T, Hq, Hk, dtype):
+    """A call of ``T`` rows on a communicator whose Lamport slot holds 256 bytes (32 rows a launch): its
+    outputs, epoch, launches and unarmed words, then two all-reduces filling a whole slot on both
+    parities."""
+    comm = ctx.comm(max_bytes=256)
+    W, r = ctx.world_size, ctx.rank
+    qs, ks, wq, wk = _case_inputs(31, W, T, Hq, Hk, dtype, True)
+    qk_epoch = _epoch(comm)
+    q_out, k_out = comm.fused_qk_rmsnorm(qs[r], ks[r], wq[r], wk[r], EPS)
+    launches = _epoch(comm) - qk_epoch
+    unarmed = _unarmed_lamport_words(comm)
+    after = _lamport_after(comm, comm.workspace.lamport_slot_bytes // 2)
+    return q_out, k_out, dict(epoch=qk_epoch, launches=launches, unarmed=unarmed, after=after,
+                              slot=comm.workspace.lamport_slot_bytes)
 
 
 def views_body(ctx, T, Hq, Hk, dtype):
@@ -179,12 +232,28 @@ def _cases(W):
     return [cases[i] for i in keep]
 
 
+def _check_left_armed(check, what: str, info: dict, launches: int) -> None:
+    """The QK call took ``launches`` launches from epoch ``info["epoch"]`` and left every Lamport word of
+    every rank armed; the two Lamport all-reduces right after it (the next two epochs: one on the parity
+    of the QK call's last launch, one on the other) are exact."""
+    check.that(info["launches"] == launches, f"{what}: {info['launches']} launches, expected {launches}")
+    check.that(info["unarmed"] == 0, f"{what}: {info['unarmed']} Lamport words not re-armed after the call")
+    last = info["epoch"] + launches - 1
+    epochs = [e for e, _, _ in info["after"]]
+    check.that(epochs == [last + 1, last + 2], f"{what}: all-reduces at epochs {epochs}, expected the two after "
+                                               f"the QK call's last launch ({last})")
+    for e, plan, exact in info["after"]:
+        parity = "the QK call's parity" if e % 2 == last % 2 else "the other parity"
+        check.that(plan == "lamport" and exact, f"{what}: the {plan} all-reduce at epoch {e} ({parity}) is "
+                                                f"{'exact' if exact else 'wrong'}, expected an exact Lamport one")
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_bits_on_every_rank(pools, world):
     """Each rank's q_out and k_out are the reference's bits (every rank's sums in rank order: the same
     scale everywhere; NaN payloads aside, as docs/numerics.md), the fallback's bits, and within the
-    contract of a float32 RMSNorm of the unsharded tensors; a bf16 Lamport all-reduce after each case
-    is exact (the buffers were left armed)."""
+    contract of a float32 RMSNorm of the unsharded tensors; after each kernel call every Lamport word is
+    the sentinel again and bf16 Lamport all-reduces over the call's words on both parities are exact."""
     cases = _cases(world)
     results = pools.get(world).run(cases_body, cases, timeout_s=300)
     check = Checks()
@@ -194,17 +263,34 @@ def test_bits_on_every_rank(pools, world):
         f32q, f32k = _float32_rmsnorm(qs, wq, EPS), _float32_rmsnorm(ks, wk, EPS)
         what = f"w{world} T={T} Hq={Hq} Hk={Hk} {dtype_name(dtype)}{' special' if special else ''}"
         for r, per_case in enumerate(results):
-            kq, kk, fq, fk, armed = per_case[i]
+            kq, kk, fq, fk, info = per_case[i]
             check(assert_same_values, kq, ref[r][0], f"{what} rank {r} q_out vs reference")
             check(assert_same_values, kk, ref[r][1], f"{what} rank {r} k_out vs reference")
             check(assert_same_values, fq, kq, f"{what} rank {r} q_out fallback vs kernel")
             check(assert_same_values, fk, kk, f"{what} rank {r} k_out fallback vs kernel")
             check(assert_within_ulp, kq, f32q[r], ULP[dtype], f"{what} rank {r} q_out vs float32 RMSNorm")
             check(assert_within_ulp, kk, f32k[r], ULP[dtype], f"{what} rank {r} k_out vs float32 RMSNorm")
-            check.that(armed, f"{what} rank {r}: the Lamport all-reduce after the call is wrong")
+            _check_left_armed(check, f"{what} rank {r}", info, 1)
             if special:
                 check.that(bool((kq[0] == 0).all() and kq[2].isnan().all() and kk[2].isnan().all()),
                            f"{what} rank {r}: a zero row gives zeros and a NaN anywhere in a row NaN everywhere")
+    check.done()
+
+
+def test_a_call_of_several_launches(pool2):
+    """T = 70 rows with a Lamport slot of 256 bytes (32 rows a launch): three launches, each rank's
+    outputs the reference's bits (special rows included), every Lamport word armed afterwards, and
+    Lamport all-reduces of a whole slot on both parities right after it exact."""
+    T, Hq, Hk, dtype = 70, 48, 16, BF16
+    results = pool2.run(chunked_body, T, Hq, Hk, dtype)
+    qs, ks, wq, wk = _case_inputs(31, 2, T, Hq, Hk, dtype, True)
+    ref = fused_qk_rmsnorm_reference(qs, ks, wq, wk, EPS)
+    check = Checks()
+    for r, (q_out, k_out, info) in enumerate(results):
+        check.that(info["slot"] == 256, f"rank {r}: a Lamport slot of {info['slot']} bytes, expected 256")
+        check(assert_same_values, q_out, ref[r][0], f"rank {r} q_out vs reference")
+        check(assert_same_values, k_out, ref[r][1], f"rank {r} k_out vs reference")
+        _check_left_armed(check, f"rank {r}", info, 3)
     check.done()
 
 
