@@ -43,6 +43,7 @@ def mismatch_body(ctx, op, algo):
         ws = comm.workspace
         epoch = ws.epoch()
         got = raised(lambda: _call(comm, op, ROWS[ctx.rank]))
+        torch.distributed.barrier()  # rank 1's programs have ended (and told) before rank 0 reads its tags
         tags = None
         if op == "all_reduce" and algo == "lamport" and ctx.rank == 0 and min(ROWS[0], ws.max_programs) > ROWS[1]:
             base = ws.flag_bytes + ws.data_bytes + ws.lamport_bytes
