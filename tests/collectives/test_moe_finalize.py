@@ -31,6 +31,9 @@ from tests.support.numerics import Checks, assert_same_bits, dtype_name, raised,
 from tpcomm.reference import add_rmsnorm_reference, reduce_in_rank_order
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+#: Kernel timeout of the communicators made here for a grid cap: a peer's kernel under the interpreter on a
+#: busy 2-core machine can start tens of seconds after this rank's (the default is 30 s).
+SLOW_PEER_S = 100.0
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def fused_case(ctx, case: MoeCase) -> dict:
     afterwards, for a grid cap)."""
     if case.max_programs is None:
         return _fused_and_composed(ctx.comm(max_bytes=case.max_bytes), ctx.rank, case)
-    comm = harness.new_communicator(max_bytes=case.max_bytes, env={"TPCOMM_MAX_PROGRAMS": str(case.max_programs)})
+    comm = harness.new_communicator(max_bytes=case.max_bytes, timeout_s=SLOW_PEER_S,
+                                    env={"TPCOMM_MAX_PROGRAMS": str(case.max_programs)})
     try:
         return _fused_and_composed(comm, ctx.rank, case)
     finally:
@@ -220,7 +224,8 @@ def _id(case: MoeCase) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_fused_equals_composition(pools, case):
-    _check(case, pools.get(case.world).run(fused_case, case))
+    timeout_s = 3 * SLOW_PEER_S if case.max_programs else harness.DEFAULT_TIMEOUT_S
+    _check(case, pools.get(case.world).run(fused_case, case, timeout_s=timeout_s))
 
 
 # -- bad input -----------------------------------------------------------------------------------------
@@ -351,7 +356,7 @@ def masked_index_case(ctx) -> dict:
 
     from tpcomm.collectives import moe_finalize as host
 
-    comm = harness.new_communicator(env={"TPCOMM_MAX_PROGRAMS": "2"})
+    comm = harness.new_communicator(timeout_s=SLOW_PEER_S, env={"TPCOMM_MAX_PROGRAMS": "2"})
     try:
         residual, weight = residual_input(40, (5, 64), BF16), weight_input(40, 64, BF16)
         got = {}
@@ -390,7 +395,7 @@ def test_an_index_outside_the_rows_adds_nothing_in_the_fused_prologue(pool2):
     the finalize in which those slots add nothing."""
     residual, weight = residual_input(40, (5, 64), BF16), weight_input(40, 64, BF16)
     check = Checks()
-    results = pool2.run(masked_index_case)
+    results = pool2.run(masked_index_case, timeout_s=3 * SLOW_PEER_S)
     for index_dtype in MASKED:
         xs = [masked_reference(masked_inputs(index_dtype, r)) for r in range(2)]
         out_ref, ro_ref = add_rmsnorm_reference(reduce_in_rank_order(xs), residual, weight, 1e-6)
