@@ -18,10 +18,12 @@ Protocol:
     another signature means the peer made a different call: the waiter records ``ERR_MISMATCH`` (the
     call's outputs are then undefined, and the call raises).
   * Every wait is bounded in nanoseconds: ``%globaltimer`` on NVIDIA, the host's monotonic clock under
-    the interpreter; a wait with a barrier inside its loop decides to give up on a block-wide value
-    (:func:`waited_ns` here; Lamport's tile poll on a block-wide max of its per-lane code), so its loop
-    ends the same round in every thread; Lamport's per-thread vector spin has no barrier, and each
-    thread gives up and records on its own (:func:`record_lanes`). On
+    the interpreter. Every wait decides as one block (docs/design.md, "Every wait decides as one block"):
+    a wait with a barrier inside its loop decides on a block-wide value (:func:`waited_ns` here;
+    :func:`block_code` for the Lamport tile poll and the QK norm's words, an OR over every thread through
+    shared memory), so its loop ends the same round in every thread and its abort store and error records
+    are block-uniform branches; Lamport's per-thread vector spin has no barrier, and each thread gives up
+    and records on its own with masked stores (:func:`record_lanes`). On
     expiry the waiter records ``(code, peer, epoch, program)`` in the error words, marks the communicator
     broken (``BROKEN_BIT`` of the state word) and returns; the communicator turns that into
     :class:`~tpcomm.errors.PeerTimeoutError`. Once broken, every later wait of the program, and of every
