@@ -280,22 +280,28 @@ class Communicator(SetUp):
                 return y
         return reduce_scatter.reduce_scatter(self, x, dim, key)
 
-    @contextlib.contextmanager
     def use_algorithm(self, algorithm: str):
         """Force ``algorithm`` (``auto``, ``lamport``, ``one_shot``, ``two_shot`` or ``fallback``) for the
-        calls inside the ``with`` block, as ``TPCOMM_ALGO`` does for a whole communicator. Every rank
-        must force the same algorithm for the same calls (it is part of the call). For tests, tuning and
-        benchmarks.
+        calls inside a ``with`` block (``with comm.use_algorithm("two_shot"): ...``), as ``TPCOMM_ALGO``
+        does for a whole communicator. Every rank must force the same algorithm for the same calls (it is
+        part of the call). For tests, tuning and benchmarks.
+
+        The name is checked here, at the call; the returned context manager forces it while its block runs
+        (a call outside a ``with`` forces nothing).
 
         Raises:
             ValueError: ``algorithm`` is not one of the choices.
         """
         from .env import ALGO_CHOICES
 
-        if isinstance(algorithm, str):
-            algorithm = algorithm.strip().lower()  # as TPCOMM_ALGO is read
-        if algorithm not in ALGO_CHOICES:
+        name = algorithm.strip().lower() if isinstance(algorithm, str) else algorithm  # as TPCOMM_ALGO is read
+        if name not in ALGO_CHOICES:
             raise ValueError(f"use_algorithm: algorithm must be one of {ALGO_CHOICES}, got {algorithm!r}")
+        return self._forcing(name)
+
+    @contextlib.contextmanager
+    def _forcing(self, algorithm: str):
+        """:meth:`use_algorithm`'s block: ``algorithm`` (checked) in force, the previous one restored after."""
         before, self.algorithm = self.algorithm, algorithm
         try:
             yield self
@@ -304,18 +310,20 @@ class Communicator(SetUp):
 
     # -- plans and launches -------------------------------------------------------------------------
     def plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
-        """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank).
+        """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank), without
+        making the call: ``plan.algorithm`` and ``plan.reason`` (the message's size, the thresholds it fell
+        between and their source).
 
-        ``hidden`` is the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for
-        ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
-        :func:`tpcomm.dispatch.all_reduce_width`). :func:`tpcomm.dispatch.plan_call` decides; plans are
-        cached per shape. ``fused_moe_finalize_add_rmsnorm`` takes the plan of ``fused_add_rmsnorm`` of
-        its ``(T, H)`` output; ``fused_qk_rmsnorm`` has one kernel (Lamport's buffers), or the fallback
-        where the communicator has no workspace.
+        ``nbytes`` is one rank's message; ``hidden`` the row width of ``fused_add_rmsnorm``,
+        ``fused_moe_finalize_add_rmsnorm`` (its ``(T, H)`` output) and ``reduce_scatter``. For
+        ``all_reduce`` and ``all_gather`` ``hidden`` is ignored (the width is derived from ``nbytes``).
+        For ``fused_qk_rmsnorm``, ``nbytes`` is ``q`` and ``k`` together and ``hidden`` is ``Hq + Hk``.
+        The MoE finalize takes the fused norm's plan; the QK norm has one kernel, or the fallback.
+        :func:`tpcomm.dispatch.plan_call` decides; plans are cached per shape.
 
         Raises:
-            ValueError: ``op`` is not one of ``tpcomm.dispatch.OPS``, or ``nbytes`` or ``hidden`` is
-                negative.
+            ValueError: ``op`` is not one of ``tpcomm.dispatch.PLANNED_OPS``, or ``nbytes`` or ``hidden``
+                is negative.
             TypeError: ``nbytes`` or ``hidden`` is not an int, or ``dtype`` not a ``torch.dtype``.
         """
         key = (op, nbytes, hidden, dtype, self.algorithm)

@@ -628,6 +628,39 @@ def use_algorithm_spelling_case(ctx, spelling):
         return comm.plan("all_reduce", 16 * 64 * 2, 64, torch.bfloat16).algorithm
 
 
+def use_algorithm_checked_at_call_case(ctx):
+    """``use_algorithm("warp_speed")`` without a ``with``: the error it raises (None if none), and the
+    algorithm in force afterwards (a valid name outside a ``with`` forces nothing)."""
+    comm = ctx.comm()
+    try:
+        comm.use_algorithm("warp_speed")
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    comm.use_algorithm("two_shot")
+    return {"raised": raised, "after": comm.algorithm}
+
+
+def fused_op_plans_case(ctx):
+    """``comm.plan`` of the QK norm and the MoE finalize beside the fused norm's, in the default dispatch
+    and inside ``use_algorithm("fallback")`` and ``use_algorithm("two_shot")``, and which path each QK
+    call took (kernel launches: the epoch)."""
+    comm = ctx.comm()
+    bf = torch.bfloat16
+    out = {}
+    for forced in ("auto", "fallback", "two_shot"):
+        with comm.use_algorithm(forced):
+            qk = comm.plan("fused_qk_rmsnorm", 4 * (32 + 16) * 2, 32 + 16, bf)
+            moe = comm.plan("fused_moe_finalize_add_rmsnorm", 4 * 64 * 2, 64, bf)
+            fused = comm.plan("fused_add_rmsnorm", 4 * 64 * 2, 64, bf)
+            before = comm.workspace.epoch()
+            comm.fused_qk_rmsnorm(torch.ones(4, 32, dtype=bf), torch.ones(4, 16, dtype=bf), torch.ones(32, dtype=bf),
+                                  torch.ones(16, dtype=bf))
+            out[forced] = {"qk": (qk.algorithm, qk.reason), "moe": (moe.algorithm, moe.reason),
+                           "fused": fused.algorithm, "qk launches": comm.workspace.epoch() - before}
+    return out
+
+
 def env_timeout_case(ctx, value):
     """A communicator created with ``TPCOMM_TIMEOUT_S=value`` and no timeout_s argument."""
     comm = new_communicator(env={"TPCOMM_TIMEOUT_S": value})
