@@ -228,6 +228,8 @@ def check(plan_world: int | None = None) -> int:
         line("interpreter", "used: CPU ranks run the Triton kernels with TRITON_INTERPRET=1")
     line("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "(unset)") + " in this process"
          + (" (importing tpcomm sets it without CUDA)" if not cuda else ""))
+    if env.interpreter_problem():
+        line("CPU kernels", f"cannot run in this process: {env.interpreter_problem()}")
 
     out.append("TPCOMM_* settings")
     names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE", "TPCOMM_PDL",

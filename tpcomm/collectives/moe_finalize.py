@@ -161,14 +161,17 @@ def moe_finalize(expert_out: torch.Tensor, topk_weights: torch.Tensor, *, index:
     Raises:
         TypeError, ValueError: as :func:`check_moe_inputs`; ``out`` has another shape, dtype or layout,
             or overlaps an input; the tensors are on a device the kernels do not run on in this process.
+        RuntimeError: CPU tensors, and the kernels cannot run under the interpreter in this process
+            (:func:`tpcomm.env.interpreter_problem` says why: e.g. Triton imported before tpcomm).
     """
     op = "moe_finalize"
     device = expert_out.device if isinstance(expert_out, torch.Tensor) else torch.device("cpu")
     moe, T, H = check_moe_inputs(op, expert_out, topk_weights, index, shared_out, scaling, device)
+    if device.type == "cpu" and interpreter_problem():
+        raise RuntimeError(f"{op}: {interpreter_problem()}")
     if not _kernels_run_on(device):
         how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreter_enabled() else "CUDA"
-        raise ValueError(f"{op}: expert_out is on {device}, but the kernels run on {how} in this process"
-                         + (f" ({interpreter_problem()})" if interpreter_problem() else ""))
+        raise ValueError(f"{op}: expert_out is on {device}, but the kernels run on {how} in this process")
     out = _finalize_out(op, moe, out, T, H, device)
     if T:
         _finalize_into(moe, out, T, H)
