@@ -30,7 +30,7 @@ _env.KERNELS_INTERPRETED = _env.interpreter_enabled()  # the mode the kernels im
 
 from .collectives.moe_finalize import moe_finalize, moe_finalize_reference  # noqa: E402
 from .communicator import Communicator  # noqa: E402
-from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
+from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, SetupTimeoutError, TpcommError  # noqa: E402
 from .quant import (  # noqa: E402
     mxfp4_quant,
     nvfp4_quant,
@@ -48,8 +48,9 @@ from .reference import (  # noqa: E402
     reduce_in_rank_order,
 )
 
-__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError",
-           "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
+__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "SetupTimeoutError",
+           "TpcommError", "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference",
+           "reduce_in_rank_order"]
 from .kernels.qk_norm import fused_qk_rmsnorm_reference  # noqa: E402
 
 __all__ += ["moe_finalize", "moe_finalize_reference", "fused_qk_rmsnorm_reference"]

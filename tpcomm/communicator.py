@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import call_cache, dispatch
 from .collectives import all_gather, all_reduce, fused_norm, moe_finalize, qk_norm, reduce_scatter
+from .env import EnvConfig
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError
 from .kernels import chunks
 from .kernels.launch import direct_launch_supported
@@ -57,7 +58,8 @@ class Communicator(SetUp):
         max_bytes: bytes of one rank's message that one launch carries (default 32 MiB on CUDA, 1 MiB on
             CPU), rounded up to a multiple of 256 (``comm.max_bytes`` is the rounded value). Larger
             messages run in chunks of whole rows through the same kernels: no size limit.
-        timeout_s: seconds a kernel waits for a peer before giving up (default ``TPCOMM_TIMEOUT_S`` or 30).
+        timeout_s: seconds a kernel waits for a peer before giving up (default ``TPCOMM_TIMEOUT_S`` or 30),
+            and this constructor for the other ranks to create theirs (:class:`~tpcomm.SetupTimeoutError`).
 
     Falls back to ``torch.distributed`` (on every rank together) when the group spans hosts, the
     workspace cannot be mapped, or the world size is 1; per call for dtypes without a kernel.
@@ -80,6 +82,8 @@ class Communicator(SetUp):
         ValueError: on every rank, when a setting the ranks must agree on differs (``max_bytes``,
             ``TPCOMM_ALGO``, the tpcomm and Triton versions, the workspace layout): the message names it and
             each rank's value.
+        SetupTimeoutError: a rank of the group did not create its communicator within ``timeout_s`` of
+            this rank (every rank that created one raises it, naming the missing ranks).
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -105,9 +109,9 @@ class Communicator(SetUp):
             self._configure(max_bytes, timeout_s)
         except Exception as e:  # any failure must reach every rank (they wait in the exchange below)
             error = e
-        errors: list = [None] * self.world_size
         why = None if error is None else f"{type(error).__name__}: {str(error).removeprefix('Communicator: ')}"
-        dist.all_gather_object(errors, why, group=self.group)
+        # bounded by timeout_s (the default where this rank's own settings were refused before it was read)
+        errors = self._arrive(why, getattr(self, "timeout_s", None) or EnvConfig().timeout_s)
         if error is not None:
             raise error
         refused = [f"rank {r} (global rank {dist.get_global_rank(self.group, r)}): {e}"

@@ -628,6 +628,31 @@ def use_algorithm_spelling_case(ctx, spelling):
         return comm.plan("all_reduce", 16 * 64 * 2, 64, torch.bfloat16).algorithm
 
 
+def setup_timeout_case(ctx, late_s):
+    """Rank 1 creates no communicator (``late_s`` None) or creates it ``late_s`` seconds after rank 0, whose
+    ``timeout_s`` is 1 s: what each rank's constructor raised and after how long; then, after a barrier,
+    a new communicator on every rank and its all-reduce."""
+    import torch.distributed as dist
+
+    from tpcomm import SetupTimeoutError
+
+    start = time.monotonic()
+    outcome = "no call"
+    if ctx.rank == 0 or late_s is not None:
+        if ctx.rank == 1:
+            time.sleep(late_s)
+        try:
+            tpcomm.Communicator(timeout_s=1.0).close()
+            outcome = "created"
+        except SetupTimeoutError as e:
+            outcome = {"missing": e.missing, "message": str(e)}
+    seconds = time.monotonic() - start
+    dist.barrier()
+    with tpcomm.Communicator(timeout_s=1.0) as comm:
+        y = comm.all_reduce(torch.ones(4)).tolist()
+    return {"outcome": outcome, "seconds": seconds, "after": y}
+
+
 def use_algorithm_checked_at_call_case(ctx):
     """``use_algorithm("warp_speed")`` without a ``with``: the error it raises (None if none), and the
     algorithm in force afterwards (a valid name outside a ``with`` forces nothing)."""

@@ -300,6 +300,28 @@ def test_use_algorithm_reads_names_as_the_environment_does(pool2):
     assert all(res == "one_shot" for res in results), results
 
 
+@pytest.mark.parametrize("late_s", [None, 2.5], ids=["never", "late"])
+def test_construction_is_bounded_by_timeout_s(pool2, late_s):
+    """A rank that never creates the communicator, or creates it after its peer's ``timeout_s`` (1 s): rank 0
+    raises ``SetupTimeoutError`` naming rank 1 within the timeout and a margin (not at torch.distributed's
+    own timeout); the late rank raises it too (naming rank 1 when it joined the attempt rank 0 gave up on,
+    rank 0 when it came after and waited for rank 0's next one); a new communicator on every rank then
+    works."""
+    results = pool2.run(ranks.setup_timeout_case, late_s)
+    check = Checks()
+    for r, res in enumerate(results):
+        got = res["outcome"]
+        if r == 1 and late_s is None:
+            check.that(got == "no call", f"rank 1: {got}")
+        else:
+            check.that(isinstance(got, dict) and "did not create" in got["message"], f"rank {r}: {got}")
+            check.that(r == 1 or got["missing"] == [1], f"rank {r}: {got}")
+        check.that(res["after"] == [2.0] * 4, f"rank {r}: the next communicator's all-reduce gave {res['after']}")
+    # 10 s: the 1 s timeout plus the store's round trips on 2 busy cores
+    check.that(results[0]["seconds"] < 10, f"rank 0 raised after {results[0]['seconds']:.1f} s")
+    check.done()
+
+
 def test_use_algorithm_checks_the_name_at_the_call(pool2):
     """A bad name raises at ``use_algorithm(...)`` itself, not only when a ``with`` block is entered; a valid
     name outside a ``with`` forces nothing."""
