@@ -7,7 +7,29 @@ change them between communicators.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+
+
+def _refuse_a_namespace_parent() -> None:
+    """Raise ImportError when the ``tpcomm`` that holds this module is an empty namespace package: a folder
+    named ``tpcomm`` without ``__init__.py`` (the repository's clone, cloned under that name) that comes
+    first on ``sys.path`` (the script's folder, or the current directory), while the package itself is
+    reached through an editable install's finder, which Python asks only after the path. The package's
+    ``__init__`` then never runs, and ``tpcomm.Communicator`` would be an AttributeError. Every tpcomm
+    module imports this one, so importing any of them (``tpcomm.launch``, ``tpcomm.ops``, ...) says so."""
+    parent = sys.modules.get(__name__.rpartition(".")[0])
+    if parent is not None and getattr(parent, "__file__", None) is None and hasattr(parent, "__path__"):
+        folders = ", ".join(str(p) for p in parent.__path__)
+        raise ImportError(
+            f"tpcomm: Python imported the folder {folders} as an empty namespace package named tpcomm (a folder "
+            "named tpcomm without __init__.py, such as the repository's clone, comes first on sys.path: the "
+            "script's folder or the current directory), so the package in "
+            f"{os.path.dirname(os.path.abspath(__file__))} was never initialised. Run the script from another "
+            "folder, rename that folder (clone into tpcomm-src), or set PYTHONSAFEPATH=1.")
+
+
+_refuse_a_namespace_parent()
 
 #: Algorithms a user may force with ``TPCOMM_ALGO``.
 ALGO_CHOICES = ("auto", "lamport", "one_shot", "two_shot", "fallback")

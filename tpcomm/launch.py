@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from . import env as _env  # noqa: F401  (its import refuses a tpcomm imported as an empty namespace package)
+
 #: Variables set for every rank on GPU machines: NVLink multicast stays off (tpcomm does not use it, and
 #: the GPU runs behind the published numbers had it off).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

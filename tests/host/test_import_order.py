@@ -141,3 +141,50 @@ def test_ranks_launched_with_interpret_0_fall_back_with_the_reason(tmp_path):
         assert exact == "EXACT True", ln
         assert "fallback" in reason and "TRITON_INTERPRET" in reason, ln
         assert quant.startswith("per_token_quant_fp8: TRITON_INTERPRET"), ln
+
+
+EDITABLE = """
+import importlib.machinery, sys
+
+ROOT = sys.argv[1]
+
+
+class Editable:
+    \"\"\"As setuptools' editable finder: on sys.meta_path after the path, so a folder named tpcomm on the
+    path wins as a namespace package.\"\"\"
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname == "tpcomm" or fullname.startswith("tpcomm."):
+            where = ROOT if fullname == "tpcomm" else ROOT + "/" + fullname.rpartition(".")[0].replace(".", "/")
+            return importlib.machinery.PathFinder.find_spec(fullname, [where])
+
+
+sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in getattr(f, "__name__", type(f).__name__)]
+sys.meta_path.append(Editable)
+import tpcomm
+
+print("NAMESPACE", getattr(tpcomm, "__file__", None) is None)
+try:
+    from tpcomm.launch import launch
+    print("IMPORTED")
+except ImportError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_clone_folder_named_tpcomm_beside_the_script_is_named(tmp_path):
+    """A script beside a folder named tpcomm (a clone of the repository under that name) with tpcomm
+    installed in editable mode: ``import tpcomm`` gets the empty folder; importing a submodule raises an
+    ImportError that says what happened and how to avoid it, instead of an AttributeError later."""
+    (tmp_path / "tpcomm").mkdir()
+    script = tmp_path / "case.py"
+    script.write_text(EDITABLE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(script), str(ROOT)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NAMESPACE True" in proc.stdout, proc.stdout
+    assert f"REFUSED tpcomm: Python imported the folder {tmp_path / 'tpcomm'} as an empty namespace package" \
+        in proc.stdout, proc.stdout
+    assert "PYTHONSAFEPATH=1" in proc.stdout, proc.stdout
