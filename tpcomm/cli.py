@@ -25,11 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak,tune}")
     sub.required = True
 
-    d = sub.add_parser("demo", help="run the all-reduce and the fused op at model shapes and a tensor-parallel "
-                                    "MLP block, checked against the reference",
+    d = sub.add_parser("demo", help="run every op (at model shapes) and a tensor-parallel MLP block, checked "
+                                    "against the reference",
                        description="Start the ranks, run the all-reduce and the fused add + RMSNorm at model "
-                                   "shapes and a tensor-parallel MLP block, check each result against the "
-                                   "reference; exit 1 on any mismatch.")
+                                   "shapes, a tensor-parallel MLP block, the all-gather, the reduce-scatter, the "
+                                   "QK norm, the MoE finalize and every quantised form, check each result against "
+                                   "its reference on every rank; exit 1 on any mismatch.")
     d.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
     d.add_argument("--world", type=world_size, default=None,
@@ -61,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="world size of the plans printed (default: every GPU here, or 2 CPU ranks)")
 
     s = sub.add_parser("soak", help="many steps of mixed calls under random rank skew, every result checked",
-                       description="Run STEPS steps, each a mix of fused calls (small and large token counts, "
-                                   "with and without residual, Gemma), all-reduces, all-gathers and "
-                                   "reduce-scatters under every algorithm, each rank delayed by a different "
-                                   "random time before every call; check every result exactly. Reports "
-                                   "steps, calls, mismatches, hangs; exit 1 on any.")
+                       description="Run STEPS steps, each a mix of every op under every algorithm: fused calls "
+                                   "(small and large token counts, with and without residual, Gemma, a quantised "
+                                   "form), all-reduces, all-gathers, reduce-scatters, the QK norm and the MoE "
+                                   "finalize, each rank delayed by a different random time before every call; "
+                                   "check every result exactly. Reports steps, calls, mismatches, hangs; exit 1 "
+                                   "on any.")
     s.add_argument("--steps", type=positive_int, default=200, help="steps to run (default 200)")
     s.add_argument("--world", type=world_size, default=None,
                    help="ranks (default: every visible GPU, or 2 CPU ranks)")

@@ -1,5 +1,6 @@
-"""``tpcomm demo``: every op at real model shapes, checked against the reference, plus a tensor-parallel
-MLP block checked against the same block computed unsharded.
+"""``tpcomm demo``: every op checked against its reference on every rank: the all-reduce and the fused norm
+at real model shapes, a tensor-parallel MLP block checked against the same block computed unsharded, and
+every other op (all-gather, reduce-scatter, the QK norm, the MoE finalize, every quantised form).
 
 Part (a), ops. For each hidden size (2880, 4096, 6144, 7168, 8192) and token count, each rank runs
 ``all_reduce``, ``fused_add_rmsnorm`` with a residual, without one, and with a Gemma-style weight. Every
@@ -17,6 +18,8 @@ Part (b), a Llama-style MLP block, tensor parallel over the ranks for a few laye
 compared with the same layers computed unsharded in float32 from the same weights. At each layer the
 fused call is also checked against the contract applied to the gathered partial sums (``residual_out``
 bit-exact, ``out`` bit-exact).
+
+Part (c), every other op once per token count at one hidden size (:mod:`tpcomm.demo_other_ops`).
 
 On GPU every call is also timed (CUDA events around ``calls`` eager calls after warm-up, the slowest
 rank): eager calls include Python and launch overhead; ``tpcomm bench`` times inside CUDA graphs.
@@ -81,6 +84,10 @@ class DemoConfig:
         dtype: dtype of part (a).
         mlp: part (b).
         calls, warmup: eager calls timed per case on GPU, after ``warmup`` calls (0: no timing).
+        other_hidden, other_tokens: part (c)'s hidden size (a multiple of every quantised form's block)
+            and token counts.
+        qk_widths: part (c)'s full-width ``(Nq, Nk)`` of the QK norm (each rank holds ``1 / W`` of each).
+        moe_topk: part (c)'s experts a token (K) of the MoE finalize.
         eps: RMSNorm epsilon.
         seed: base seed every rank derives its inputs from.
     """
@@ -93,6 +100,10 @@ class DemoConfig:
     mlp: MlpConfig
     calls: int
     warmup: int
+    other_hidden: int = 1024
+    other_tokens: tuple[int, ...] = (5,)
+    qk_widths: tuple[int, int] = (1024, 256)
+    moe_topk: int = 2
     eps: float = 1e-6
     seed: int = 1234
 
@@ -101,14 +112,17 @@ def make_config(device: str, world_size: int, quick: bool = False) -> DemoConfig
     """The demo's sweep for ``device``: the full model shapes on GPU, a few rows on CPU."""
     if device == "cuda":
         mlp = MlpConfig(tokens=64, hidden=4096, intermediate=14336, layers=4, dtype="bf16")  # Llama-3-8B
-        cfg = DemoConfig(device, world_size, MODEL_HIDDENS, GPU_TOKENS, "bf16", mlp, calls=20, warmup=3)
+        # part (c): DeepSeek-V3's hidden size; MiniMax-M2's q and k widths (48 and 8 heads of 128) and top-8
+        cfg = DemoConfig(device, world_size, MODEL_HIDDENS, GPU_TOKENS, "bf16", mlp, calls=20, warmup=3,
+                         other_hidden=7168, other_tokens=(1, 64, 1024), qk_widths=(6144, 1024), moe_topk=8)
         if quick:
-            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1, 64, 1024), mlp=replace(mlp, layers=2))
+            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1, 64, 1024), mlp=replace(mlp, layers=2),
+                          other_tokens=(64,))
     else:
         mlp = MlpConfig(tokens=4, hidden=2880, intermediate=5760, layers=3, dtype="fp32")
         cfg = DemoConfig(device, world_size, MODEL_HIDDENS, CPU_TOKENS, "bf16", mlp, calls=0, warmup=0)
         if quick:
-            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1,), mlp=replace(mlp, layers=2))
+            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1,), mlp=replace(mlp, layers=2), other_tokens=(1,))
     return cfg
 
 
@@ -121,7 +135,8 @@ class Row:
         error: the largest error (``error_unit``: ``"ulp"`` against the contract's result, or ``"rel"``,
             the relative Frobenius error against the unsharded float32 block).
         residual_exact: ``residual_out`` (or the all-reduce) bit-exact; None where there is none.
-        ranks_identical: every output bit-identical on every rank.
+        ranks_identical: every output bit-identical on every rank; None where the outputs differ between
+            ranks by design (a reduce-scatter's shares, the QK norm's columns).
         time_us: µs per call (GPU; None on CPU).
         ok: every check of this line passed.
         note: why a check failed.
@@ -134,7 +149,7 @@ class Row:
     error: float
     error_unit: str
     residual_exact: bool | None
-    ranks_identical: bool
+    ranks_identical: bool | None
     time_us: float | None
     ok: bool
     note: str = ""
@@ -418,11 +433,14 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
 
 def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
     """Every case on this rank (run by :func:`tpcomm.launch.launch`); returns this rank's rows."""
+    from . import demo_other_ops
     from .communicator import Communicator
     from .progress import Progress
 
     rows: list[Row] = []
-    progress = Progress(rank == 0, len(cfg.hiddens) * len(cfg.tokens) * len(OPS) + 1, "tpcomm demo", every_s=5.0)
+    others = demo_other_ops.cases(cfg)
+    progress = Progress(rank == 0, len(cfg.hiddens) * len(cfg.tokens) * len(OPS) + 1 + len(others), "tpcomm demo",
+                        every_s=5.0)
     with Communicator() as comm:
         case = 0
         for H in cfg.hiddens:
@@ -433,6 +451,10 @@ def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
                     progress.advance(f"{name} {T}x{H}")
         rows.append(_mlp_case(comm, cfg))
         progress.advance("tp_mlp")
+        for op, T in others:
+            case += 1
+            rows.append(demo_other_ops.run_case(comm, cfg, case, op, T))
+            progress.advance(f"{op} {T}")
         progress.close()
         if comm.device.type == "cuda":
             torch.cuda.synchronize()
@@ -449,9 +471,10 @@ def merge_rows(per_rank: list[list[Row]]) -> list[Row]:
         times = [r.time_us for r in rows if r.time_us is not None]
         exact = [r.residual_exact for r in rows if r.residual_exact is not None]
         notes = sorted({f"rank {q}: {r.note}" for q, r in enumerate(rows) if r.note})
+        identical = None if r0.ranks_identical is None else all(r.ranks_identical for r in rows)
         merged.append(replace(
             r0, error=max(r.error for r in rows), residual_exact=all(exact) if exact else None,
-            ranks_identical=all(r.ranks_identical for r in rows), time_us=max(times) if times else None,
+            ranks_identical=identical, time_us=max(times) if times else None,
             ok=all(r.ok for r in rows), note="; ".join(notes)))
     return merged
 
@@ -466,7 +489,7 @@ def format_table(rows: list[Row]) -> str:
     timed = any(r.time_us is not None for r in rows)
     body = []
     for r in rows:
-        err = f"{int(r.error)} ulp" if r.error_unit == "ulp" else f"{r.error:.1e} rel"
+        err = f"{r.error:.1e} rel" if r.error_unit == "rel" else f"{int(r.error)} {r.error_unit}"
         time_cell = ["-" if r.time_us is None else f"{r.time_us:.1f}"] if timed else []
         body.append([r.op, r.shape, r.dtype, r.algorithm, err, yes(r.residual_exact), yes(r.ranks_identical),
                      *time_cell, "ok" if r.ok else "FAIL"])
@@ -500,7 +523,9 @@ def main(device: str | None = None, world_size: int | None = None, quick: bool =
     m = cfg.mlp
     print(f"tpcomm demo: {world_size} {how}; ops at hidden {', '.join(map(str, cfg.hiddens))} x tokens "
           f"{', '.join(map(str, cfg.tokens))} ({cfg.dtype}); MLP block {m.layers} layers, "
-          f"{m.tokens}x{m.hidden}, I={m.intermediate} ({m.dtype})", flush=True)
+          f"{m.tokens}x{m.hidden}, I={m.intermediate} ({m.dtype}); all-gather, reduce-scatter, QK norm, MoE "
+          f"finalize and every quantised form at hidden {cfg.other_hidden} x tokens "
+          f"{', '.join(map(str, cfg.other_tokens))}", flush=True)
     t0 = time.perf_counter()
     try:
         per_rank = launch(run_rank, world_size, device, args=(cfg,))
