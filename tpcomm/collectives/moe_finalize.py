@@ -239,9 +239,10 @@ def fused_moe_finalize_add_rmsnorm(comm, expert_out, topk_weights, residual, wei
         shared_out: ``(T, H)`` partial shared-expert output, ``expert_out``'s dtype, added after the
             scaling.
         scaling: the routed scaling factor (a finite Python float, used rounded to float32).
-        fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales, out,
-            residual_out, q_out, scales_out: as :meth:`~tpcomm.Communicator.fused_add_rmsnorm`
-            (``(T, H)`` shapes).
+        fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales: as
+            :meth:`~tpcomm.Communicator.fused_add_rmsnorm`.
+        out, residual_out, q_out, scales_out: as :meth:`~tpcomm.Communicator.fused_add_rmsnorm` (``(T, H)``
+            shapes).
     Returns:
         What :meth:`~tpcomm.Communicator.fused_add_rmsnorm` returns for ``x`` ``(T, H)``. Safe in CUDA
         graphs.
