@@ -361,7 +361,7 @@ class Communicator(SetUp):
         another specialisation, and loading a module while this rank's first chunk already waits for its
         peers can wait for that chunk (CUDA's lazy loading may synchronise the context), which holds back
         the launches a host thread issues for the other ranks after this one (loopback ranks) until the
-        peer timeout (docs/reliability.md, "A call of several launches")."""
+        peer timeout (docs/design.md, "A call of several launches")."""
         with self._launching(op, record):
             launches = list(launches)
             if len(launches) > 1:

@@ -70,7 +70,7 @@ PRELOAD = ["torch", "torch.distributed"]
 def rank_context():
     """The multiprocessing context that starts rank processes: a fork server that has imported torch
     (:data:`PRELOAD`) where the platform has one, else spawn. A rank then starts in a fraction of a
-    second instead of the seconds that importing torch takes (docs/cpu.md, "Starting ranks"). The fork
+    second instead of the seconds that importing torch takes (docs/design.md, "Starting ranks"). The fork
     server's own environment is the one of its first use, so a rank takes its environment from the
     launching process (:func:`start_rank`); a forked rank holds no CUDA context, as the fork server
     never creates one."""
