@@ -132,8 +132,9 @@ class Row:
 
     Attributes:
         op, shape, dtype, algorithm: what ran.
-        error: the largest error (``error_unit``: ``"ulp"`` against the contract's result, or ``"rel"``,
-            the relative Frobenius error against the unsharded float32 block).
+        error: the largest error (``error_unit``: ``"ulp"`` against the contract's result, ``"rel"``, the
+            relative Frobenius error against the unsharded float32 block, or ``"bytes"``, the quantised
+            bytes and scales that differ from the form's reference).
         residual_exact: ``residual_out`` (or the all-reduce) bit-exact; None where there is none.
         ranks_identical: every output bit-identical on every rank; None where the outputs differ between
             ranks by design (a reduce-scatter's shares, the QK norm's columns).
