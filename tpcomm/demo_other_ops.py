@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .demo import DTYPES, DemoConfig, Row, _randn, _time_eager, bit_equal, same_on_all_ranks, ulp_distance
+from .demo_checks import DTYPES, Row, bit_equal, randn, same_on_all_ranks, time_eager, ulp_distance
 
 #: The fused norm's quantised output forms, in the order the docs list them.
 QUANT_FORMS = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static", "mxfp4", "nvfp4")
@@ -26,33 +26,33 @@ OPS = ("all_gather", "reduce_scatter", "fused_qk_rmsnorm", "fused_moe_finalize_a
        *(f"quant={q}" for q in QUANT_FORMS))
 
 
-def cases(cfg: DemoConfig) -> list[tuple[str, int]]:
-    """``(op, tokens)`` of every part (c) row."""
+def cases(cfg) -> list[tuple[str, int]]:
+    """``(op, tokens)`` of every part (c) row of ``cfg`` (a :class:`tpcomm.demo.DemoConfig`)."""
     return [(op, T) for T in cfg.other_tokens for op in OPS]
 
 
-def run_case(comm, cfg: DemoConfig, case: int, op: str, T: int) -> Row:
+def run_case(comm, cfg, case: int, op: str, T: int) -> Row:
     """One part (c) row on this rank (collective)."""
     run = {"all_gather": _gather, "reduce_scatter": _scatter, "fused_qk_rmsnorm": _qk,
            "fused_moe_finalize_add_rmsnorm": _moe}.get(op, _quant)
     return run(comm, cfg, case, op, T)
 
 
-def _row(comm, cfg: DemoConfig, op: str, shape: str, algorithm: str, call, checks, identical, residual_exact,
+def _row(comm, cfg, op: str, shape: str, algorithm: str, call, checks, identical, residual_exact,
          error: float, unit: str = "ulp") -> Row:
     """The row: ``checks`` (name -> passed) and ``identical`` (None where the outputs differ between ranks by
     design); on GPUs, ``call`` timed as part (a)'s."""
     notes = [name for name, ok in checks.items() if not ok]
     if identical is False:
         notes.append("outputs differ between ranks")
-    time_us = _time_eager(call, cfg.calls, cfg.warmup) if cfg.calls and comm.device.type == "cuda" else None
+    time_us = time_eager(call, cfg.calls, cfg.warmup) if cfg.calls and comm.device.type == "cuda" else None
     return Row(op, shape, cfg.dtype, algorithm, float(error), unit, residual_exact, identical, time_us, not notes,
                "; ".join(notes))
 
 
-def _inputs(comm, cfg: DemoConfig, case: int, shape) -> list[torch.Tensor]:
+def _inputs(comm, cfg, case: int, shape) -> list[torch.Tensor]:
     """Every rank's input of ``case``, in rank order."""
-    return [_randn(shape, DTYPES[cfg.dtype], comm.device, cfg.seed, 500, case, q) for q in range(comm.world_size)]
+    return [randn(shape, DTYPES[cfg.dtype], comm.device, cfg.seed, 500, case, q) for q in range(comm.world_size)]
 
 
 def _gather(comm, cfg, case, op, T):
@@ -86,9 +86,9 @@ def _qk(comm, cfg, case, op, T):
     W, dtype = comm.world_size, DTYPES[cfg.dtype]
     Hq, Hk = cfg.qk_widths[0] // W, cfg.qk_widths[1] // W  # this rank's heads' columns
     qs = _inputs(comm, cfg, case, (T, Hq))
-    ks = [_randn((T, Hk), dtype, comm.device, cfg.seed, 501, case, r) for r in range(W)]
-    wq = _randn((W * Hq,), dtype, comm.device, cfg.seed, 502, case, scale=0.1, shift=1.0)  # the full weights
-    wk = _randn((W * Hk,), dtype, comm.device, cfg.seed, 503, case, scale=0.1, shift=1.0)
+    ks = [randn((T, Hk), dtype, comm.device, cfg.seed, 501, case, r) for r in range(W)]
+    wq = randn((W * Hq,), dtype, comm.device, cfg.seed, 502, case, scale=0.1, shift=1.0)  # the full weights
+    wk = randn((W * Hk,), dtype, comm.device, cfg.seed, 503, case, scale=0.1, shift=1.0)
     wqs, wks = list(wq.split(Hq)), list(wk.split(Hk))
     r = comm.rank
     q_out, k_out = comm.fused_qk_rmsnorm(qs[r], ks[r], wqs[r], wks[r], cfg.eps)
@@ -109,8 +109,8 @@ def _moe(comm, cfg, case, op, T):
     experts = _inputs(comm, cfg, case, (T, K, H))  # each rank's partial expert outputs
     g = torch.Generator(device=dev).manual_seed(cfg.seed + case)
     weights = torch.rand((T, K), generator=g, device=dev).softmax(-1)  # the routing, the same on every rank
-    residual = _randn((T, H), dtype, dev, cfg.seed, 504, case)
-    norm = _randn((H,), dtype, dev, cfg.seed, 505, case, scale=0.1, shift=1.0)
+    residual = randn((T, H), dtype, dev, cfg.seed, 504, case)
+    norm = randn((H,), dtype, dev, cfg.seed, 505, case, scale=0.1, shift=1.0)
 
     def call():
         return comm.fused_moe_finalize_add_rmsnorm(experts[comm.rank], weights, residual, norm, cfg.eps)
@@ -132,8 +132,8 @@ def _quant(comm, cfg, case, op, T):
 
     form, H, dtype, dev = op.removeprefix("quant="), cfg.other_hidden, DTYPES[cfg.dtype], comm.device
     xs = _inputs(comm, cfg, case, (T, H))
-    residual = _randn((T, H), dtype, dev, cfg.seed, 506, case)
-    norm = _randn((H,), dtype, dev, cfg.seed, 507, case, scale=0.1, shift=1.0)
+    residual = randn((T, H), dtype, dev, cfg.seed, 506, case)
+    norm = randn((H,), dtype, dev, cfg.seed, 507, case, scale=0.1, shift=1.0)
     scale = torch.full((1,), 0.02, dtype=torch.float32, device=dev) if form in ("fp8_static", "nvfp4") else None
 
     def call():

@@ -215,7 +215,7 @@ def _far(a: torch.Tensor, b: torch.Tensor, ulps: int) -> torch.Tensor:
 
 def out_ulps(dtype: torch.dtype, hidden: int) -> int:
     """How far ``out`` may be from the reference: 1 ulp for 16-bit outputs, ``ceil(log2(hidden))`` for
-    float32 (the mean's sum of ``hidden`` squares in another order; see ``tpcomm.demo.out_ulp_tolerance``)."""
+    float32 (the mean's sum of ``hidden`` squares in another order; see ``tpcomm.demo_checks.out_ulp_tolerance``)."""
     return max(1, math.ceil(math.log2(max(hidden, 2)))) if dtype == torch.float32 else 1
 
 
