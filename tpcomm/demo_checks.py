@@ -116,6 +116,7 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
 # -- seeded inputs ------------------------------------------------------------------------------------
 
 def generator(device: torch.device, *key: int) -> torch.Generator:
+    """A generator on ``device`` seeded from ``key`` (the same on every rank and every run)."""
     g = torch.Generator(device=device)
     seed = 0
     for k in key:  # a fixed mix of the key, the same on every rank and every run
@@ -125,6 +126,8 @@ def generator(device: torch.device, *key: int) -> torch.Generator:
 
 
 def randn(shape, dtype, device, *key: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """``randn(shape) * scale + shift`` in ``dtype`` from :func:`generator` of ``key``: every rank can make
+    every rank's input."""
     t = torch.randn(shape, generator=generator(device, *key), device=device, dtype=torch.float32)
     return (t * scale + shift).to(dtype)
 
