@@ -34,6 +34,8 @@
 #   bash dev/gpu_runs.sh sweep           # ONE GPU: the deadline sweep (tests/faults/test_gpu_deadline_sweep.py)
 #                                        # within SWEEP_S s (default 240; the trials get a third, compiling
 #                                        # the rest; SWEEP_TRIALS per op, default 600); its JSON summaries kept
+#   bash dev/gpu_runs.sh every-op        # 2+ GPUs: tpcomm demo (every op and quantised form, DEMO_S, default
+#                                        # 150), then the soak of every op (STEPS, default 10000; SOAK_S, 400)
 #
 # A tree is a copy of the package: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`.
 # FlashInfer without network: docs/flashinfer-offline.md. Logs go to $OUT/work (OUT defaults to ./out) and are
@@ -175,6 +177,11 @@ new-ops)
             --tokens 1,16,64,256 --k 8 --out $W/moe_loopback.json > $W/moe_bench.log 2>&1
         echo "moe_bench rc=$?" >> $W/summary.txt
     fi ;;
+every-op)
+    timeout ${DEMO_S:-150} python3 -m tpcomm demo --device cuda > $W/demo.log 2>&1
+    echo "demo rc=$?" | tee -a $W/summary.txt; tail -3 $W/demo.log >> $W/summary.txt
+    timeout ${SOAK_S:-400} python3 -m tpcomm soak --steps ${STEPS:-10000} --device cuda --seed 0 > $W/soak.log 2>&1
+    echo "soak rc=$?" | tee -a $W/summary.txt; tail -8 $W/soak.log >> $W/summary.txt ;;
 model)
     model_demos
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/collectives/test_gpu_loopback.py --durations=5 \
@@ -199,7 +206,8 @@ for part in ('sweep', 'mismatch'):
     sweep_part ops $((S * 2 / 3)) -k "not qk_rmsnorm"
     sweep_part qk $((S / 3)) -k qk_rmsnorm ;;
 *)
-    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|model|sweep"; exit 2 ;;
+    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|every-op|model|sweep"
+    exit 2 ;;
 esac
 # What comes back from a lent machine is a few files: the tarball and the summary (a run cut short leaves $OUT/work).
 tar czf "$OUT/results-$1.tgz" -C "$W" . && cat "$W/summary.txt" >> "$OUT/summary.txt" && cat "$W/summary.txt"

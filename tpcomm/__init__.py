@@ -2,9 +2,10 @@
 + RMSNorm, in Triton), on the GPUs of one node or, under Triton's interpreter, on CPU ranks.
 
 On a machine without CUDA, importing tpcomm sets ``TRITON_INTERPRET=1`` (unless already set) before any
-kernel is defined, so the same kernels run on the CPU. Triton must not be imported before that
-(``env.interpreter_problem``): then importing tpcomm warns (a ``RuntimeWarning`` naming the fix),
-communicators fall back to ``torch.distributed`` and the standalone quant raises, saying so.
+kernel is defined, so the same kernels run on the CPU. Triton must not be imported before that, and the
+variable must keep the value the kernels were defined with (``env.interpreter_problem``): otherwise
+communicators on CPU ranks fall back to ``torch.distributed`` and the local CPU kernels (the standalone
+quantisers, ``moe_finalize``) raise, each saying why (importing tpcomm after Triton also warns).
 """
 
 import os as _os
@@ -14,7 +15,8 @@ import torch as _torch
 
 from . import env as _env
 
-if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
+_env.CUDA_AVAILABLE = _torch.cuda.is_available()
+if not _env.CUDA_AVAILABLE and "TRITON_INTERPRET" not in _os.environ:
     _os.environ["TRITON_INTERPRET"] = "1"
     # Too late for Triton's own @jit library if Triton is already imported: say so at the first kernel call
     _env.TRITON_IMPORTED_FIRST = "triton" in _sys.modules
@@ -24,10 +26,11 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
         # the results stay exact (every call falls back to torch.distributed), but only repr(comm) would say so
         _warnings.warn(f"tpcomm: {_env.interpreter_problem()}; until then every Communicator falls back to "
                        "torch.distributed and the standalone quantisers raise", RuntimeWarning, stacklevel=2)
+_env.KERNELS_INTERPRETED = _env.interpreter_enabled()  # the mode the kernels imported below are defined in
 
 from .collectives.moe_finalize import moe_finalize, moe_finalize_reference  # noqa: E402
 from .communicator import Communicator  # noqa: E402
-from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, TpcommError  # noqa: E402
+from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError, SetupTimeoutError, TpcommError  # noqa: E402
 from .quant import (  # noqa: E402
     mxfp4_quant,
     nvfp4_quant,
@@ -45,8 +48,9 @@ from .reference import (  # noqa: E402
     reduce_in_rank_order,
 )
 
-__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "TpcommError",
-           "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference", "reduce_in_rank_order"]
+__all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "SetupTimeoutError",
+           "TpcommError", "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference",
+           "reduce_in_rank_order"]
 from .kernels.qk_norm import fused_qk_rmsnorm_reference  # noqa: E402
 
 __all__ += ["moe_finalize", "moe_finalize_reference", "fused_qk_rmsnorm_reference"]

@@ -1,100 +1,29 @@
-"""The ``tpcomm`` command (``python -m tpcomm``): ``demo``, ``bench``, ``check``.
+"""The ``tpcomm`` command (``python -m tpcomm``): ``demo``, ``bench``, ``check``, ``soak``, ``tune``.
 
-This module only parses arguments; the work is in :mod:`tpcomm.demo` and :mod:`tpcomm.bench`, and
-``check`` (below) only reads what the machine offers. Ranks are started with :func:`tpcomm.launch.launch`,
-so none of the subcommands needs ``torchrun``.
+This module hands each parsed command (:mod:`tpcomm.arguments`) to its module: :mod:`tpcomm.demo`,
+:mod:`tpcomm.bench`, :mod:`tpcomm.soak`, :mod:`tpcomm.tune`; ``check`` (below) only reads what the machine
+offers. Ranks are started with :func:`tpcomm.launch.launch`, so none of the subcommands needs ``torchrun``.
+The console script enters through ``tpcomm_cli.py`` (beside the package), which parses before torch is
+imported and then calls :func:`run`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from .argtypes import non_negative_float, positive_float, positive_int, world_size
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tpcomm",
-        description="Tensor-parallel all-reduce fused with residual add + RMSNorm (Triton), on the GPUs "
-                    "of one node or on CPU ranks under Triton's interpreter.")
-    from . import __version__
-
-    p.add_argument("--version", action="version", version=f"tpcomm {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{demo,bench,check,soak,tune}")
-    sub.required = True
-
-    d = sub.add_parser("demo", help="run the all-reduce and the fused op at model shapes and a tensor-parallel "
-                                    "MLP block, checked against the reference",
-                       description="Start the ranks, run the all-reduce and the fused add + RMSNorm at model "
-                                   "shapes and a tensor-parallel MLP block, check each result against the "
-                                   "reference; exit 1 on any mismatch.")
-    d.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
-    d.add_argument("--world", type=world_size, default=None,
-                   help="ranks (default: every visible GPU, or 2 CPU ranks)")
-    d.add_argument("--quick", action="store_true", help="a smaller sweep (without --model)")
-    d.add_argument("--model", choices=("llama", "gemma", "minimax_m2"), default=None,
-                   help="instead: a Hugging Face Llama (or Gemma 3, MiniMax-M2) of seeded random weights, sharded "
-                        "over tpcomm, greedy decoding against the unsharded model (needs the hf extra; on a "
-                        "machine with one GPU the ranks are loopback ranks of that GPU)")
-    d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="with --model: one dtype (default both)")
-    d.add_argument("--steps", type=positive_int, default=None,
-                   help="with --model: greedy decode steps (default 8)")
-
-    b = sub.add_parser("bench", help="time tpcomm against NCCL, torch symmetric memory and FlashInfer "
-                                     "(GPU only)",
-                       description="Time every op against the alternatives in the same run, in CUDA graphs "
-                                   "and eagerly (GPU only): each contender checked first, median over "
-                                   "replays of the slowest rank. Prints tables; writes JSON and PNG plots.")
-    from .bench.args import add_bench_arguments
-
-    add_bench_arguments(b)
-
-    c = sub.add_parser("check", help="print what this machine supports and why",
-                       description="Print versions, GPUs, peer access and links between every pair, the "
-                                   "interpreter, TPCOMM_* settings, the algorithms available (and why not) and "
-                                   "what a Communicator would do.")
-    c.add_argument("--world", type=world_size, default=None,
-                   help="world size of the plans printed (default: every GPU here, or 2 CPU ranks)")
-
-    s = sub.add_parser("soak", help="many steps of mixed calls under random rank skew, every result checked",
-                       description="Run STEPS steps, each a mix of fused calls (small and large token counts, "
-                                   "with and without residual, Gemma), all-reduces, all-gathers and "
-                                   "reduce-scatters under every algorithm, each rank delayed by a different "
-                                   "random time before every call; check every result exactly. Reports "
-                                   "steps, calls, mismatches, hangs; exit 1 on any.")
-    s.add_argument("--steps", type=positive_int, default=200, help="steps to run (default 200)")
-    s.add_argument("--world", type=world_size, default=None,
-                   help="ranks (default: every visible GPU, or 2 CPU ranks)")
-    s.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda when >= 2 GPUs are visible, else cpu (Triton interpreter)")
-    s.add_argument("--seed", type=int, default=0,
-                   help="seed of the inputs, call mix and delays (default 0): a failing run is repeated by its seed")
-    s.add_argument("--timeout", type=positive_float, default=10.0,
-                   help="seconds a kernel waits for a peer before the call counts as a hang (default 10)")
-    s.add_argument("--max-delay", type=non_negative_float, default=None,
-                   help="largest random delay before a call: microseconds on GPU (default 20), seconds "
-                        "on CPU (default 0.03)")
-
-    t = sub.add_parser("tune", help="measure the dispatch's crossovers on this machine's GPUs and write a "
-                                    "table (GPU only)",
-                       description="Time every algorithm the dispatch can choose (each forced, checked, in "
-                                   "CUDA graphs, slowest rank, median) for all_reduce and fused_add_rmsnorm "
-                                   "over a sweep of message sizes; derive lamport_max_bytes and "
-                                   "two_shot_min_bytes; write the crossover table (load it with "
-                                   "TPCOMM_DISPATCH_TABLE) and the raw measurements. docs/tuning.md.")
-    from .tune.command import add_tune_arguments
-
-    add_tune_arguments(t)
-    return p
+from .arguments import build_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tpcomm`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    from . import __version__
+
+    return run(build_parser(__version__).parse_args(argv))
+
+
+def run(args) -> int:
+    """Run the command ``args`` (parsed by :func:`tpcomm.arguments.build_parser`); returns the exit status."""
     if args.command != "check":  # `check` reports a bad variable itself; the others would fail in every rank
         problem = _environment_problem()
         if problem:
@@ -228,6 +157,8 @@ def check(plan_world: int | None = None) -> int:
         line("interpreter", "used: CPU ranks run the Triton kernels with TRITON_INTERPRET=1")
     line("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "(unset)") + " in this process"
          + (" (importing tpcomm sets it without CUDA)" if not cuda else ""))
+    if env.interpreter_problem():
+        line("CPU kernels", f"cannot run in this process: {env.interpreter_problem()}")
 
     out.append("TPCOMM_* settings")
     names = ("TPCOMM_ALGO", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_PROGRAMS", "TPCOMM_DISPATCH_TABLE", "TPCOMM_PDL",

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import call_cache, dispatch
 from .collectives import all_gather, all_reduce, fused_norm, moe_finalize, qk_norm, reduce_scatter
+from .env import EnvConfig
 from .errors import PeerAbortedError, PeerMismatchError, PeerTimeoutError
 from .kernels import chunks
 from .kernels.launch import direct_launch_supported
@@ -57,7 +58,8 @@ class Communicator(SetUp):
         max_bytes: bytes of one rank's message that one launch carries (default 32 MiB on CUDA, 1 MiB on
             CPU), rounded up to a multiple of 256 (``comm.max_bytes`` is the rounded value). Larger
             messages run in chunks of whole rows through the same kernels: no size limit.
-        timeout_s: seconds a kernel waits for a peer before giving up (default ``TPCOMM_TIMEOUT_S`` or 30).
+        timeout_s: seconds a kernel waits for a peer before giving up (default ``TPCOMM_TIMEOUT_S`` or 30),
+            and this constructor for the other ranks to create theirs (:class:`~tpcomm.SetupTimeoutError`).
 
     Falls back to ``torch.distributed`` (on every rank together) when the group spans hosts, the
     workspace cannot be mapped, or the world size is 1; per call for dtypes without a kernel.
@@ -80,6 +82,8 @@ class Communicator(SetUp):
         ValueError: on every rank, when a setting the ranks must agree on differs (``max_bytes``,
             ``TPCOMM_ALGO``, the tpcomm and Triton versions, the workspace layout): the message names it and
             each rank's value.
+        SetupTimeoutError: a rank of the group did not create its communicator within ``timeout_s`` of
+            this rank (every rank that created one raises it, naming the missing ranks).
     """
 
     def __init__(self, group=None, max_bytes: int | None = None, timeout_s: float | None = None):
@@ -105,9 +109,9 @@ class Communicator(SetUp):
             self._configure(max_bytes, timeout_s)
         except Exception as e:  # any failure must reach every rank (they wait in the exchange below)
             error = e
-        errors: list = [None] * self.world_size
         why = None if error is None else f"{type(error).__name__}: {str(error).removeprefix('Communicator: ')}"
-        dist.all_gather_object(errors, why, group=self.group)
+        # bounded by timeout_s (the default where this rank's own settings were refused before it was read)
+        errors = self._arrive(why, getattr(self, "timeout_s", None) or EnvConfig().timeout_s)
         if error is not None:
             raise error
         refused = [f"rank {r} (global rank {dist.get_global_rank(self.group, r)}): {e}"
@@ -280,22 +284,28 @@ class Communicator(SetUp):
                 return y
         return reduce_scatter.reduce_scatter(self, x, dim, key)
 
-    @contextlib.contextmanager
     def use_algorithm(self, algorithm: str):
         """Force ``algorithm`` (``auto``, ``lamport``, ``one_shot``, ``two_shot`` or ``fallback``) for the
-        calls inside the ``with`` block, as ``TPCOMM_ALGO`` does for a whole communicator. Every rank
-        must force the same algorithm for the same calls (it is part of the call). For tests, tuning and
-        benchmarks.
+        calls inside a ``with`` block (``with comm.use_algorithm("two_shot"): ...``), as ``TPCOMM_ALGO``
+        does for a whole communicator. Every rank must force the same algorithm for the same calls (it is
+        part of the call). For tests, tuning and benchmarks.
+
+        The name is checked here, at the call; the returned context manager forces it while its block runs
+        (a call outside a ``with`` forces nothing).
 
         Raises:
             ValueError: ``algorithm`` is not one of the choices.
         """
         from .env import ALGO_CHOICES
 
-        if isinstance(algorithm, str):
-            algorithm = algorithm.strip().lower()  # as TPCOMM_ALGO is read
-        if algorithm not in ALGO_CHOICES:
+        name = algorithm.strip().lower() if isinstance(algorithm, str) else algorithm  # as TPCOMM_ALGO is read
+        if name not in ALGO_CHOICES:
             raise ValueError(f"use_algorithm: algorithm must be one of {ALGO_CHOICES}, got {algorithm!r}")
+        return self._forcing(name)
+
+    @contextlib.contextmanager
+    def _forcing(self, algorithm: str):
+        """:meth:`use_algorithm`'s block: ``algorithm`` (checked) in force, the previous one restored after."""
         before, self.algorithm = self.algorithm, algorithm
         try:
             yield self
@@ -304,18 +314,20 @@ class Communicator(SetUp):
 
     # -- plans and launches -------------------------------------------------------------------------
     def plan(self, op: str, nbytes: int, hidden: int, dtype: torch.dtype) -> dispatch.Plan:
-        """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank).
+        """The :class:`~tpcomm.dispatch.Plan` a call of this shape takes (the same on every rank), without
+        making the call: ``plan.algorithm`` and ``plan.reason`` (the message's size, the thresholds it fell
+        between and their source).
 
-        ``hidden`` is the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for
-        ``all_reduce`` and ``all_gather`` it is ignored (the width is derived from ``nbytes``, see
-        :func:`tpcomm.dispatch.all_reduce_width`). :func:`tpcomm.dispatch.plan_call` decides; plans are
-        cached per shape. ``fused_moe_finalize_add_rmsnorm`` takes the plan of ``fused_add_rmsnorm`` of
-        its ``(T, H)`` output; ``fused_qk_rmsnorm`` has one kernel (Lamport's buffers), or the fallback
-        where the communicator has no workspace.
+        ``nbytes`` is one rank's message; ``hidden`` the row width of ``fused_add_rmsnorm``,
+        ``fused_moe_finalize_add_rmsnorm`` (its ``(T, H)`` output) and ``reduce_scatter``. For
+        ``all_reduce`` and ``all_gather`` ``hidden`` is ignored (the width is derived from ``nbytes``).
+        For ``fused_qk_rmsnorm``, ``nbytes`` is ``q`` and ``k`` together and ``hidden`` is ``Hq + Hk``.
+        The MoE finalize takes the fused norm's plan; the QK norm has one kernel, or the fallback.
+        :func:`tpcomm.dispatch.plan_call` decides; plans are cached per shape.
 
         Raises:
-            ValueError: ``op`` is not one of ``tpcomm.dispatch.OPS``, or ``nbytes`` or ``hidden`` is
-                negative.
+            ValueError: ``op`` is not one of ``tpcomm.dispatch.PLANNED_OPS``, or ``nbytes`` or ``hidden``
+                is negative.
             TypeError: ``nbytes`` or ``hidden`` is not an int, or ``dtype`` not a ``torch.dtype``.
         """
         key = (op, nbytes, hidden, dtype, self.algorithm)
@@ -349,7 +361,7 @@ class Communicator(SetUp):
         another specialisation, and loading a module while this rank's first chunk already waits for its
         peers can wait for that chunk (CUDA's lazy loading may synchronise the context), which holds back
         the launches a host thread issues for the other ranks after this one (loopback ranks) until the
-        peer timeout (docs/reliability.md, "A call of several launches")."""
+        peer timeout (docs/design.md, "A call of several launches")."""
         with self._launching(op, record):
             launches = list(launches)
             if len(launches) > 1:

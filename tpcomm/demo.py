@@ -1,5 +1,6 @@
-"""``tpcomm demo``: every op at real model shapes, checked against the reference, plus a tensor-parallel
-MLP block checked against the same block computed unsharded.
+"""``tpcomm demo``: every op checked against its reference on every rank: the all-reduce and the fused norm
+at real model shapes, a tensor-parallel MLP block checked against the same block computed unsharded, and
+every other op (all-gather, reduce-scatter, the QK norm, the MoE finalize, every quantised form).
 
 Part (a), ops. For each hidden size (2880, 4096, 6144, 7168, 8192) and token count, each rank runs
 ``all_reduce``, ``fused_add_rmsnorm`` with a residual, without one, and with a Gemma-style weight. Every
@@ -18,6 +19,8 @@ compared with the same layers computed unsharded in float32 from the same weight
 fused call is also checked against the contract applied to the gathered partial sums (``residual_out``
 bit-exact, ``out`` bit-exact).
 
+Part (c), every other op once per token count at one hidden size (:mod:`tpcomm.demo_other_ops`).
+
 On GPU every call is also timed (CUDA events around ``calls`` eager calls after warm-up, the slowest
 rank): eager calls include Python and launch overhead; ``tpcomm bench`` times inside CUDA graphs.
 On CPU (Triton's interpreter, ~20-60 ms a call a rank) the sweep is small and nothing is timed.
@@ -25,14 +28,24 @@ On CPU (Triton's interpreter, ~20-60 ms a call a rank) the sweep is small and no
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .demo_checks import (
+    DTYPES,
+    Row,
+    all_gather_flat,
+    bit_equal,
+    out_ulp_tolerance,
+    randn,
+    relative_error,
+    same_on_all_ranks,
+    time_eager,
+    ulp_distance,
+)
 
 #: Hidden sizes of real models: gpt-oss (2880), Llama-3-8B (4096), Mixtral-8x22B / Qwen (6144),
 #: DeepSeek-V3 (7168), Llama-3-70B (8192).
@@ -81,6 +94,10 @@ class DemoConfig:
         dtype: dtype of part (a).
         mlp: part (b).
         calls, warmup: eager calls timed per case on GPU, after ``warmup`` calls (0: no timing).
+        other_hidden, other_tokens: part (c)'s hidden size (a multiple of every quantised form's block)
+            and token counts.
+        qk_widths: part (c)'s full-width ``(Nq, Nk)`` of the QK norm (each rank holds ``1 / W`` of each).
+        moe_topk: part (c)'s experts a token (K) of the MoE finalize.
         eps: RMSNorm epsilon.
         seed: base seed every rank derives its inputs from.
     """
@@ -93,6 +110,10 @@ class DemoConfig:
     mlp: MlpConfig
     calls: int
     warmup: int
+    other_hidden: int = 1024
+    other_tokens: tuple[int, ...] = (5,)
+    qk_widths: tuple[int, int] = (1024, 256)
+    moe_topk: int = 2
     eps: float = 1e-6
     seed: int = 1234
 
@@ -101,113 +122,18 @@ def make_config(device: str, world_size: int, quick: bool = False) -> DemoConfig
     """The demo's sweep for ``device``: the full model shapes on GPU, a few rows on CPU."""
     if device == "cuda":
         mlp = MlpConfig(tokens=64, hidden=4096, intermediate=14336, layers=4, dtype="bf16")  # Llama-3-8B
-        cfg = DemoConfig(device, world_size, MODEL_HIDDENS, GPU_TOKENS, "bf16", mlp, calls=20, warmup=3)
+        # part (c): DeepSeek-V3's hidden size; MiniMax-M2's q and k widths (48 and 8 heads of 128) and top-8
+        cfg = DemoConfig(device, world_size, MODEL_HIDDENS, GPU_TOKENS, "bf16", mlp, calls=20, warmup=3,
+                         other_hidden=7168, other_tokens=(1, 64, 1024), qk_widths=(6144, 1024), moe_topk=8)
         if quick:
-            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1, 64, 1024), mlp=replace(mlp, layers=2))
+            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1, 64, 1024), mlp=replace(mlp, layers=2),
+                          other_tokens=(64,))
     else:
         mlp = MlpConfig(tokens=4, hidden=2880, intermediate=5760, layers=3, dtype="fp32")
         cfg = DemoConfig(device, world_size, MODEL_HIDDENS, CPU_TOKENS, "bf16", mlp, calls=0, warmup=0)
         if quick:
-            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1,), mlp=replace(mlp, layers=2))
+            cfg = replace(cfg, hiddens=(2880, 8192), tokens=(1,), mlp=replace(mlp, layers=2), other_tokens=(1,))
     return cfg
-
-
-@dataclass
-class Row:
-    """One line of the demo's table, as one rank saw it (:func:`merge_rows` combines the ranks).
-
-    Attributes:
-        op, shape, dtype, algorithm: what ran.
-        error: the largest error (``error_unit``: ``"ulp"`` against the contract's result, or ``"rel"``,
-            the relative Frobenius error against the unsharded float32 block).
-        residual_exact: ``residual_out`` (or the all-reduce) bit-exact; None where there is none.
-        ranks_identical: every output bit-identical on every rank.
-        time_us: µs per call (GPU; None on CPU).
-        ok: every check of this line passed.
-        note: why a check failed.
-    """
-
-    op: str
-    shape: str
-    dtype: str
-    algorithm: str
-    error: float
-    error_unit: str
-    residual_exact: bool | None
-    ranks_identical: bool
-    time_us: float | None
-    ok: bool
-    note: str = ""
-
-
-# -- numerics helpers ---------------------------------------------------------------------------------
-
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance between ``a`` and ``b`` (same dtype and shape) in units in the last place.
-
-    Counts the representable values between them (+0.0 and -0.0 count as one), so 0 means bit-equal up
-    to the sign of zero; a NaN against a number gives a huge distance. Returns 0 for empty tensors.
-    """
-    if a.numel() == 0:
-        return 0
-    bits = torch.finfo(a.dtype).bits
-    ia = a.contiguous().view(_INT_VIEW[a.dtype]).to(torch.int64)
-    ib = b.contiguous().view(_INT_VIEW[b.dtype]).to(torch.int64)
-    mag_mask = (1 << (bits - 1)) - 1
-
-    def key(i):
-        mag = i & mag_mask
-        return torch.where(i < 0, -mag, mag)
-
-    return int((key(ia) - key(ib)).abs().max().item())
-
-
-def out_ulp_tolerance(dtype: torch.dtype, hidden: int) -> int:
-    """Units in the last place ``out`` may differ from :func:`tpcomm.add_rmsnorm_reference`: 0. The
-    reference sums the row's squares in the kernels' order (pairwise, :func:`tpcomm.reference.sum_of_squares`)
-    and rounds every step as they do, so ``out`` is bit-exact for every dtype."""
-    return 0
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` hold the same bits (NaN payloads and signs of zero included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = _INT_VIEW.get(a.dtype)
-    if view is None:
-        return torch.equal(a, b)
-    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
-
-
-def all_gather_flat(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Collective: every rank's ``t`` (same shape on all), stacked: ``(world, *t.shape)``.
-
-    Gathers flat 1-D tensors: gloo (torch 2.13) refuses an output shaped ``(world, n)``.
-    """
-    flat = t.contiguous().reshape(-1)
-    world = dist.get_world_size(group)
-    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
-    gather(out, flat, group=group)
-    return out.view(world, *t.shape)
-
-
-def same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
-    """Collective: True on every rank when every rank's ``t`` holds the same bits."""
-    bits = t.contiguous().reshape(-1).view(torch.uint8)  # raw bytes: gloo has no int16
-    gathered = all_gather_flat(bits, group)
-    return all(torch.equal(g, bits) for g in gathered)
-
-
-def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """``‖a − ref‖ / ‖ref‖`` (Frobenius) in float64; inf when ``a`` holds a NaN or Inf."""
-    a64, r64 = a.double(), ref.double()
-    if not torch.isfinite(a64).all():
-        return math.inf
-    return float((a64 - r64).norm() / r64.norm().clamp_min(1e-300))
 
 
 def mlp_tolerance(dtype: torch.dtype, layers: int) -> float:
@@ -229,40 +155,6 @@ def mlp_tolerance(dtype: torch.dtype, layers: int) -> float:
     return 2 * layers * u
 
 
-# -- seeded inputs ------------------------------------------------------------------------------------
-
-def _generator(device: torch.device, *key: int) -> torch.Generator:
-    g = torch.Generator(device=device)
-    seed = 0
-    for k in key:  # a fixed mix of the key, the same on every rank and every run
-        seed = (seed * 1_000_003 + int(k) + 1) % (1 << 62)
-    g.manual_seed(seed)
-    return g
-
-
-def _randn(shape, dtype, device, *key: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-    t = torch.randn(shape, generator=_generator(device, *key), device=device, dtype=torch.float32)
-    return (t * scale + shift).to(dtype)
-
-
-# -- timing (GPU) -------------------------------------------------------------------------------------
-
-def _time_eager(fn, calls: int, warmup: int) -> float:
-    """µs per call of ``fn`` on this rank: CUDA events around ``calls`` calls, after ``warmup`` calls and
-    a barrier (so the ranks start together). Collective when ``fn`` is."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / calls
-
-
 # -- part (a): ops ------------------------------------------------------------------------------------
 
 def _algorithm(comm, method: str, x: torch.Tensor) -> str:
@@ -278,11 +170,11 @@ def _op_case(comm, cfg: DemoConfig, case: int, name: str, method: str, has_res: 
     from .reference import add_rmsnorm_reference, reduce_in_rank_order
 
     dev, dtype, W = comm.device, DTYPES[cfg.dtype], comm.world_size
-    xs = [_randn((T, H), dtype, dev, cfg.seed, case, q) for q in range(W)]
+    xs = [randn((T, H), dtype, dev, cfg.seed, case, q) for q in range(W)]
     x = xs[comm.rank]
-    residual = _randn((T, H), dtype, dev, cfg.seed, case, -1) if has_res else None
+    residual = randn((T, H), dtype, dev, cfg.seed, case, -1) if has_res else None
     # Gemma weights are stored as w with the norm using 1 + w, so they sit near 0; others near 1.
-    weight = _randn((H,), dtype, dev, cfg.seed, case, -2, scale=0.1, shift=0.0 if gemma else 1.0)
+    weight = randn((H,), dtype, dev, cfg.seed, case, -2, scale=0.1, shift=0.0 if gemma else 1.0)
     s = reduce_in_rank_order(xs)
 
     if method == "all_reduce":
@@ -321,7 +213,7 @@ def _op_case(comm, cfg: DemoConfig, case: int, name: str, method: str, has_res: 
         def timed():
             last["r"] = call()
 
-        time_us = _time_eager(timed, cfg.calls, cfg.warmup)
+        time_us = time_eager(timed, cfg.calls, cfg.warmup)
         o2, r2 = last["r"]
         if not bit_equal(o2, out) or (r2 is not None and not bit_equal(r2, res_out)):
             notes.append("a repeated call gave other bits than the first")
@@ -343,11 +235,11 @@ def _mlp_weights(m: MlpConfig, I: int, dtype, dev, seed: int) -> _MlpWeights:
     w = _MlpWeights()
     for layer in range(m.layers):
         # 1/sqrt(fan_in) keeps the activations O(1) through the layers.
-        w.gate.append(_randn((I, m.hidden), dtype, dev, seed, 900, layer, 0, scale=m.hidden ** -0.5))
-        w.up.append(_randn((I, m.hidden), dtype, dev, seed, 900, layer, 1, scale=m.hidden ** -0.5))
-        w.down.append(_randn((m.hidden, I), dtype, dev, seed, 900, layer, 2, scale=I ** -0.5))
+        w.gate.append(randn((I, m.hidden), dtype, dev, seed, 900, layer, 0, scale=m.hidden ** -0.5))
+        w.up.append(randn((I, m.hidden), dtype, dev, seed, 900, layer, 1, scale=m.hidden ** -0.5))
+        w.down.append(randn((m.hidden, I), dtype, dev, seed, 900, layer, 2, scale=I ** -0.5))
     for layer in range(m.layers + 1):
-        w.norm.append(_randn((m.hidden,), dtype, dev, seed, 901, layer, scale=0.1, shift=1.0))
+        w.norm.append(randn((m.hidden,), dtype, dev, seed, 901, layer, scale=0.1, shift=1.0))
     return w
 
 
@@ -359,7 +251,7 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
     I = -(-m.intermediate // W) * W
     shard = slice(rank * (I // W), (rank + 1) * (I // W))
     wts = _mlp_weights(m, I, dtype, dev, cfg.seed)
-    x0 = _randn((m.tokens, m.hidden), dtype, dev, cfg.seed, 902)
+    x0 = randn((m.tokens, m.hidden), dtype, dev, cfg.seed, 902)
     silu = torch.nn.functional.silu
     notes: list[str] = []
     worst_ulp = 0
@@ -406,7 +298,7 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
 
     time_us = None
     if cfg.calls and dev.type == "cuda":
-        time_us = _time_eager(lambda: sharded(check=False), max(1, cfg.calls // 4), 1) / m.layers
+        time_us = time_eager(lambda: sharded(check=False), max(1, cfg.calls // 4), 1) / m.layers
     name = f"tp_mlp block ({m.layers} layers)"
     shape = f"{m.tokens}x{m.hidden}, I={I}"
     algo = _algorithm(comm, "fused_add_rmsnorm", x0)
@@ -418,11 +310,14 @@ def _mlp_case(comm, cfg: DemoConfig) -> Row:
 
 def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
     """Every case on this rank (run by :func:`tpcomm.launch.launch`); returns this rank's rows."""
+    from . import demo_other_ops
     from .communicator import Communicator
     from .progress import Progress
 
     rows: list[Row] = []
-    progress = Progress(rank == 0, len(cfg.hiddens) * len(cfg.tokens) * len(OPS) + 1, "tpcomm demo", every_s=5.0)
+    others = demo_other_ops.cases(cfg)
+    progress = Progress(rank == 0, len(cfg.hiddens) * len(cfg.tokens) * len(OPS) + 1 + len(others), "tpcomm demo",
+                        every_s=5.0)
     with Communicator() as comm:
         case = 0
         for H in cfg.hiddens:
@@ -433,6 +328,10 @@ def run_rank(rank: int, world_size: int, cfg: DemoConfig) -> list[Row]:
                     progress.advance(f"{name} {T}x{H}")
         rows.append(_mlp_case(comm, cfg))
         progress.advance("tp_mlp")
+        for op, T in others:
+            case += 1
+            rows.append(demo_other_ops.run_case(comm, cfg, case, op, T))
+            progress.advance(f"{op} {T}")
         progress.close()
         if comm.device.type == "cuda":
             torch.cuda.synchronize()
@@ -449,9 +348,10 @@ def merge_rows(per_rank: list[list[Row]]) -> list[Row]:
         times = [r.time_us for r in rows if r.time_us is not None]
         exact = [r.residual_exact for r in rows if r.residual_exact is not None]
         notes = sorted({f"rank {q}: {r.note}" for q, r in enumerate(rows) if r.note})
+        identical = None if r0.ranks_identical is None else all(r.ranks_identical for r in rows)
         merged.append(replace(
             r0, error=max(r.error for r in rows), residual_exact=all(exact) if exact else None,
-            ranks_identical=all(r.ranks_identical for r in rows), time_us=max(times) if times else None,
+            ranks_identical=identical, time_us=max(times) if times else None,
             ok=all(r.ok for r in rows), note="; ".join(notes)))
     return merged
 
@@ -466,7 +366,7 @@ def format_table(rows: list[Row]) -> str:
     timed = any(r.time_us is not None for r in rows)
     body = []
     for r in rows:
-        err = f"{int(r.error)} ulp" if r.error_unit == "ulp" else f"{r.error:.1e} rel"
+        err = f"{r.error:.1e} rel" if r.error_unit == "rel" else f"{int(r.error)} {r.error_unit}"
         time_cell = ["-" if r.time_us is None else f"{r.time_us:.1f}"] if timed else []
         body.append([r.op, r.shape, r.dtype, r.algorithm, err, yes(r.residual_exact), yes(r.ranks_identical),
                      *time_cell, "ok" if r.ok else "FAIL"])
@@ -500,7 +400,9 @@ def main(device: str | None = None, world_size: int | None = None, quick: bool =
     m = cfg.mlp
     print(f"tpcomm demo: {world_size} {how}; ops at hidden {', '.join(map(str, cfg.hiddens))} x tokens "
           f"{', '.join(map(str, cfg.tokens))} ({cfg.dtype}); MLP block {m.layers} layers, "
-          f"{m.tokens}x{m.hidden}, I={m.intermediate} ({m.dtype})", flush=True)
+          f"{m.tokens}x{m.hidden}, I={m.intermediate} ({m.dtype}); all-gather, reduce-scatter, QK norm, MoE "
+          f"finalize and every quantised form at hidden {cfg.other_hidden} x tokens "
+          f"{', '.join(map(str, cfg.other_tokens))}", flush=True)
     t0 = time.perf_counter()
     try:
         per_rank = launch(run_rank, world_size, device, args=(cfg,))

@@ -32,6 +32,9 @@ ALGORITHMS = ("lamport", "one_shot", "two_shot")
 
 #: Ops a plan is made for.
 OPS = ("all_reduce", "fused_add_rmsnorm", "all_gather", "reduce_scatter")
+#: Ops :meth:`tpcomm.Communicator.plan` answers for: :data:`OPS`, and the two fused ops planned from them
+#: (:func:`plan_call`): the MoE finalize takes the fused norm's plan, the QK norm its one kernel.
+PLANNED_OPS = OPS + ("fused_qk_rmsnorm", "fused_moe_finalize_add_rmsnorm")
 
 #: Widest tile of a row held at once. 8192 float32 accumulators over 8 warps are 32 registers a thread;
 #: wider rows run in several tiles with a second pass (``kernels/epilogue.reduce_norm_row``; e.g.
@@ -256,11 +259,11 @@ def check_plan_args(op, nbytes, hidden, dtype) -> None:
     """The arguments of a plan request (:meth:`tpcomm.Communicator.plan`'s Raises section).
 
     Raises:
-        ValueError: ``op`` is not one of ``OPS``, or ``nbytes`` or ``hidden`` is negative.
+        ValueError: ``op`` is not one of ``PLANNED_OPS``, or ``nbytes`` or ``hidden`` is negative.
         TypeError: ``nbytes`` or ``hidden`` is not an int, or ``dtype`` not a ``torch.dtype``.
     """
-    if op not in OPS:
-        raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
+    if op not in PLANNED_OPS:
+        raise ValueError(f"plan: op must be one of {PLANNED_OPS}, got {op!r}")
     for name, value in (("nbytes", nbytes), ("hidden", hidden)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"plan: {name} must be an int, got {type(value).__name__} {value!r}")
@@ -391,14 +394,29 @@ def plan_call(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.d
     * an all-gather whose output reaches 2**31 elements (bytes, for dtypes moved as bytes), or a row
       larger than a slot: the fallback.
 
+    The two fused ops planned from these: ``fused_moe_finalize_add_rmsnorm`` takes the plan of
+    ``fused_add_rmsnorm`` of its ``(T, H)`` output (the finalize in the kernel's prologue under one-shot
+    and Lamport, the standalone finalize kernel first under two-shot: :attr:`Plan.prologue`);
+    ``fused_qk_rmsnorm`` has one kernel, a Lamport exchange of each token's float32 sums of squares
+    (:func:`qk_norm_plan`).
+
     Args:
-        op, world_size, nbytes, dtype, forced, table: as :func:`choose`.
-        hidden: the row width of ``fused_add_rmsnorm`` and ``reduce_scatter``; for ``all_reduce`` and
-            ``all_gather`` it is ignored (the width is :func:`all_reduce_width` of the message).
+        op, world_size, nbytes, dtype, forced, table: as :func:`choose`; ``op`` one of ``PLANNED_OPS``.
+        hidden: the row width of ``fused_add_rmsnorm``, ``fused_moe_finalize_add_rmsnorm`` and
+            ``reduce_scatter``; for ``all_reduce`` and ``all_gather`` it is ignored (the width is
+            :func:`all_reduce_width` of the message); for ``fused_qk_rmsnorm``, ``Hq + Hk``.
         workspace: the communicator's :class:`~tpcomm.workspace.Workspace` (its slot sizes), or None.
     Returns:
         The :class:`Plan`, with the row width its launches take (``Plan.width``).
     """
+    if op == "fused_qk_rmsnorm":
+        return qk_norm_plan(world_size, nbytes, hidden, dtype, forced, workspace)
+    if op == "fused_moe_finalize_add_rmsnorm":
+        plan = plan_call("fused_add_rmsnorm", world_size, nbytes, hidden, dtype, forced, table, workspace)
+        how = ("the finalize in the fused kernel's prologue" if plan.prologue else
+               "the standalone finalize, then the fused norm's fallback" if plan.algorithm == "fallback" else
+               "the standalone finalize kernel, then the fused norm's kernel")
+        return Plan(plan.algorithm, f"{how}; {plan.reason}", plan.width)
     ws = workspace
     if op in ("all_reduce", "reduce_scatter") and is_integer(dtype) and ws is not None and forced != "fallback":
         return Plan("push", "integer sum: every rank's input through the all-gather kernel, added here in int64 "
@@ -430,3 +448,27 @@ def plan_call(op: str, world_size: int, nbytes: int, hidden: int, dtype: torch.d
     if op == "all_reduce":  # the algorithm's rows (Lamport's are narrower at few tokens)
         hidden = all_reduce_width(max(1, numel), es, ws, plan.algorithm)
     return Plan(plan.algorithm, plan.reason, hidden)
+
+
+def qk_norm_plan(world_size: int, nbytes: int, hidden: int, dtype: torch.dtype, forced: str = "auto",
+                 workspace=None) -> Plan:
+    """The plan of ``fused_qk_rmsnorm``: its one kernel (``"lamport"``: each rank's float32 sums of squares
+    of a token, 8 bytes, through the Lamport buffers), in launches of ``lamport_slot_bytes / 8`` tokens; or
+    the fallback (an all-reduce of the ``(T, 2)`` partial sums) where the group has no workspace, has one
+    rank or ``fallback`` is forced. ``nbytes`` is one rank's ``q`` and ``k`` together and ``hidden`` their
+    widths' sum ``Hq + Hk``, so ``T = nbytes / (hidden * dtype size)``; a forced ``one_shot`` or
+    ``two_shot`` runs the kernel too."""
+    if workspace is None:
+        return Plan("fallback", "no workspace for this group")
+    if world_size < 2:
+        return Plan("fallback", "a group of one rank needs no communication")
+    if forced == "fallback":
+        return Plan("fallback", "forced (TPCOMM_ALGO or use_algorithm): fallback")
+    tokens = nbytes // (hidden * dtype.itemsize) if hidden else 0
+    per_launch = workspace.lamport_slot_bytes // 8
+    launches = -(-tokens // per_launch)
+    why = ("the op's one kernel: each token's float32 sums of squares (8 bytes) through the Lamport buffers, "
+           f"{per_launch} tokens a launch ({tokens} tokens: {launches} launch{'es' if launches != 1 else ''})")
+    if forced not in ("auto", "lamport"):
+        why = f"{forced} forced, but {why}"
+    return Plan("lamport", why, hidden)

@@ -7,7 +7,29 @@ change them between communicators.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+
+
+def _refuse_a_namespace_parent() -> None:
+    """Raise ImportError when the ``tpcomm`` that holds this module is an empty namespace package: a folder
+    named ``tpcomm`` without ``__init__.py`` (the repository's clone, cloned under that name) that comes
+    first on ``sys.path`` (the script's folder, or the current directory), while the package itself is
+    reached through an editable install's finder, which Python asks only after the path. The package's
+    ``__init__`` then never runs, and ``tpcomm.Communicator`` would be an AttributeError. Every tpcomm
+    module imports this one, so importing any of them (``tpcomm.launch``, ``tpcomm.ops``, ...) says so."""
+    parent = sys.modules.get(__name__.rpartition(".")[0])
+    if parent is not None and getattr(parent, "__file__", None) is None and hasattr(parent, "__path__"):
+        folders = ", ".join(str(p) for p in parent.__path__)
+        raise ImportError(
+            f"tpcomm: Python imported the folder {folders} as an empty namespace package named tpcomm (a folder "
+            "named tpcomm without __init__.py, such as the repository's clone, comes first on sys.path: the "
+            "script's folder or the current directory), so the package in "
+            f"{os.path.dirname(os.path.abspath(__file__))} was never initialised. Run the script from another "
+            "folder, rename that folder (clone into tpcomm-src), or set PYTHONSAFEPATH=1.")
+
+
+_refuse_a_namespace_parent()
 
 #: Algorithms a user may force with ``TPCOMM_ALGO``.
 ALGO_CHOICES = ("auto", "lamport", "one_shot", "two_shot", "fallback")
@@ -86,14 +108,31 @@ def read_env() -> EnvConfig:
 #: already been imported: Triton's own library (``tl.max``, ...) was then built for the GPU, so no kernel can
 #: run under the interpreter in this process (:func:`interpreter_problem`).
 TRITON_IMPORTED_FIRST = False
+#: Set by ``tpcomm/__init__`` before it defines the kernels: whether they are defined for the interpreter
+#: (``TRITON_INTERPRET=1`` then), and whether torch sees CUDA. Triton fixes a kernel's mode when it is
+#: defined, so a later change of the variable does not reach them (:func:`interpreter_problem`).
+KERNELS_INTERPRETED: bool | None = None
+CUDA_AVAILABLE: bool | None = None
 
 
 def interpreter_problem() -> str | None:
-    """Why tpcomm's kernels cannot run under the interpreter in this process, or None."""
+    """Why tpcomm's kernels cannot run on the CPU (under the interpreter) in this process, or None: Triton
+    imported before tpcomm; ``TRITON_INTERPRET`` changed since tpcomm was imported (e.g. ``0`` in the
+    process that started ranks with ``tpcomm.launch``, whose ranks import the script, and tpcomm, before
+    their own ``TRITON_INTERPRET=1`` applies); or, on a machine without CUDA, set to something other than
+    ``1``. A communicator on CPU ranks falls back with this reason; the local CPU kernels raise it."""
     if TRITON_IMPORTED_FIRST:
         return ("Triton was imported before tpcomm could set TRITON_INTERPRET=1 (e.g. by `import triton` or "
                 "torch.compile), so its kernels cannot run on the CPU in this process: import tpcomm first, "
                 "or set TRITON_INTERPRET=1 before Python starts")
+    now = os.environ.get("TRITON_INTERPRET")
+    if KERNELS_INTERPRETED is not None and KERNELS_INTERPRETED != interpreter_enabled():
+        return (f"TRITON_INTERPRET is {now!r} but was {'1' if KERNELS_INTERPRETED else 'not 1'} when tpcomm "
+                "was imported, and Triton fixed its kernels' mode then: set TRITON_INTERPRET once, before Python "
+                "starts (on a machine without CUDA, leave it unset: importing tpcomm sets it to 1)")
+    if KERNELS_INTERPRETED is False and CUDA_AVAILABLE is False:
+        return (f"TRITON_INTERPRET={now!r} on a machine without CUDA: Triton's kernels need a GPU or its CPU "
+                "interpreter; unset TRITON_INTERPRET (importing tpcomm then sets it to 1) or set it to 1")
     return None
 
 

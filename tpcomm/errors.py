@@ -7,8 +7,36 @@ class TpcommError(RuntimeError):
     """Base class of tpcomm's run-time errors."""
 
 
+class SetupTimeoutError(TpcommError):
+    """A rank waited longer than ``timeout_s`` for its peers to create a :class:`~tpcomm.Communicator` of
+    the group (creation is collective): a peer never created it, or created it later than that.
+
+    Raised by the constructor on every rank that got there, naming the ranks that had not arrived when the
+    first rank gave up; a rank that arrives after its peers gave up raises it too, after its own timeout
+    (it waited for their next creation). No communicator exists on any rank and nothing was sent through
+    the process group, which stays usable: create the communicators again, on every rank.
+
+    Attributes:
+        rank: the rank that raised.
+        missing: the group ranks that had not arrived when the first rank gave up.
+        timeout_s: that rank's timeout.
+    """
+
+    def __init__(self, rank: int, missing: list[int], timeout_s: float):
+        self.rank, self.missing, self.timeout_s = rank, list(missing), timeout_s
+        super().__init__(f"Communicator: rank {rank}: rank(s) {self.missing} did not create the communicator "
+                         f"within {timeout_s:g} s of their peers (creating it is collective: every rank of the "
+                         "group creates it at the same point of its program; for ranks whose start-up differs by "
+                         "more than that, pass a longer timeout_s or synchronise them first). No rank has a "
+                         "communicator; the process group is still usable.")
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
 def _rebuild(cls, args, state):
-    """Unpickle a :class:`PeerTimeoutError` (or subclass) without calling its ``__init__``."""
+    """Unpickle a :class:`PeerTimeoutError` (or subclass) or a :class:`SetupTimeoutError` without calling
+    its ``__init__``."""
     error = cls.__new__(cls)
     error.args = args
     error.__dict__.update(state)

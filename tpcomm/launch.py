@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from . import env as _env  # noqa: F401  (its import refuses a tpcomm imported as an empty namespace package)
+
 #: Variables set for every rank on GPU machines: NVLink multicast stays off (tpcomm does not use it, and
 #: the GPU runs behind the published numbers had it off).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -68,7 +70,7 @@ PRELOAD = ["torch", "torch.distributed"]
 def rank_context():
     """The multiprocessing context that starts rank processes: a fork server that has imported torch
     (:data:`PRELOAD`) where the platform has one, else spawn. A rank then starts in a fraction of a
-    second instead of the seconds that importing torch takes (docs/cpu.md, "Starting ranks"). The fork
+    second instead of the seconds that importing torch takes (docs/design.md, "Starting ranks"). The fork
     server's own environment is the one of its first use, so a rank takes its environment from the
     launching process (:func:`start_rank`); a forked rank holds no CUDA context, as the fork server
     never creates one."""
@@ -192,8 +194,10 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
     Returns:
         ``fn``'s return values, in rank order.
     Raises:
-        TypeError: ``world_size`` is not an int, or ``args`` is not a tuple (or list).
-        ValueError: ``world_size``, ``device`` or ``timeout_s`` is invalid.
+        TypeError: ``world_size`` is not an int, or ``args`` is not a tuple (or list); ``fn`` or ``args``
+            cannot be pickled (a lambda or a nested function), checked before any rank starts.
+        ValueError: ``world_size``, ``device`` or ``timeout_s`` is invalid; ``fn`` is defined in a
+            ``__main__`` without a file (``python -c``, a REPL, a notebook), where no rank can import it.
         RankFailure: a rank raised or crashed, or the ranks ran past ``timeout_s``; its message and its
             ``outcomes`` give every rank's outcome, what the other ranks returned included.
     """
@@ -204,6 +208,7 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
                         "(pass args=(value,) for one)")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
         raise ValueError(f"launch: timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
+    _check_picklable(fn, tuple(args))
     device = device or default_device()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"launch: device must be 'cuda' or 'cpu', got {device!r}")
@@ -248,12 +253,35 @@ def launch(fn: Callable[..., Any], world_size: int, device: str | None = None, a
     outcomes = [_outcome(r, out.get(r), ends[r]) for r in range(world_size)]
     failed = [o for o in outcomes if o.status != "returned"]
     if failed:
-        missing = [o.rank for o in failed if o.status in ("died", "killed")]
+        died = [o.rank for o in failed if o.status == "died"]
+        killed = [o.rank for o in failed if o.status == "killed"]
         head = f"launch: {len(failed)} of {world_size} ranks failed"
-        if missing:
-            head += f"; ranks {missing} did not finish (crashed or ran past {timeout_s:g} s)"
+        if died:
+            head += (f"; ranks {died} ended without reporting (a crash, os._exit, or an error before fn ran: "
+                     "its traceback, if any, is on this process's stderr)")
+        if killed:
+            head += f"; ranks {killed} ran past {timeout_s:g} s and were killed"
         raise RankFailure(head + "; every rank's outcome:\n" + "\n".join(o.describe() for o in outcomes), outcomes)
     return [o.value for o in outcomes]
+
+
+def _check_picklable(fn: Callable[..., Any], args: tuple) -> None:
+    """Refuse, before any rank starts, an ``fn`` that no rank could load: each rank unpickles it, which
+    imports it by name from its module (a rank whose unpickling fails dies before it can report)."""
+    import sys
+
+    name = getattr(fn, "__qualname__", repr(fn))
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(f"launch: fn {name} is defined in a __main__ without a file (python -c, a REPL or a "
+                         "notebook): each rank imports fn by name and cannot find it there; define it at module "
+                         "level in a .py file and import it (or run a script)")
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:  # PicklingError, AttributeError (a local object), TypeError (an unpicklable arg)
+        raise TypeError(f"launch: fn ({name}) and args must pickle, as each rank imports fn by name: define fn "
+                        f"at module level of an importable file, and pass picklable args ({type(e).__name__}: "
+                        f"{e})") from e
 
 
 def _outcome(rank: int, reported: tuple[bool, Any] | None, end: str) -> RankOutcome:

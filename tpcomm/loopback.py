@@ -25,7 +25,7 @@ Limits:
     and that kernel waits for it. So the kernels never specialise on ``rank`` (``do_not_specialize``),
     and nothing else a launch passes differs between ranks (give every rank inputs of the same 16-byte
     alignment: Triton specialises on it). A call of several chunks loads every chunk's kernel before
-    its first launch, for the same reason (docs/reliability.md, "A call of several launches").
+    its first launch, for the same reason (docs/design.md, "A call of several launches").
   * No process group: a call whose plan is the ``torch.distributed`` fallback raises ``RuntimeError``.
   * Issue every rank's part of a collective before the next collective, and before waiting for any of
     it (:func:`run_ranks`): a rank's kernel spins on the GPU until its peers' kernels run.

@@ -35,6 +35,7 @@ from .quant.reference import (  # noqa: F401  (re-exported: tpcomm.reference nam
     per_group_quant_reference,
     per_group_ue8m0_quant_reference,
     per_token_quant_reference,
+    quant_form_reference,
     static_fp8_bytes,
     static_fp8_quant_reference,
     swizzle_128x4,

@@ -6,13 +6,16 @@ and the workspace created where every rank can map it (else every call falls bac
 
 from __future__ import annotations
 
+import json
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import dispatch
 from .env import interpreter_enabled, interpreter_problem, read_env
+from .errors import SetupTimeoutError
 from .validate import checked_limits
 from .workspace import Workspace, slot_bytes_for
 
@@ -42,6 +45,40 @@ class SetUp:
                                                         self.env.timeout_s if timeout_s is None else timeout_s)
         self.max_bytes = slot_bytes_for(self.max_bytes)  # what a launch carries: the plans and peers compare it
         self.algorithm = self.env.algo
+
+    def _arrive(self, why: str | None, timeout_s: float) -> list:
+        """Every rank's refusal of its own settings (None where it has none), in rank order, once every
+        rank of the group has come to create the communicator: the first exchange, which a rank that
+        never creates one would leave waiting. Through the group's store, bounded by ``timeout_s``: rank
+        ``r`` sets its key of this generation, waits for every rank's key, then the first rank to finish
+        waiting records the outcome (all arrived, or who had not) and opens the next generation; every
+        rank takes that outcome, so all raise or none does, and a rank arriving after it raises too. Where
+        the group has no store to reach, a ``torch.distributed`` collective (its own timeout applies).
+
+        Raises:
+            SetupTimeoutError: a rank had not arrived after ``timeout_s`` (on every rank that got here).
+        """
+        store = _group_store(self.group)
+        if store is None:
+            errors: list = [None] * self.world_size
+            dist.all_gather_object(errors, why, group=self.group)
+            return errors
+        gen = store.add(f"{_SETUP_KEY}/generation", 0)
+        keys = [f"{_SETUP_KEY}/{gen}/rank{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], json.dumps(why))
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+            mine = json.dumps({"by": self.rank, "missing": []})
+        except dist.DistStoreError:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            mine = json.dumps({"by": self.rank, "missing": missing, "timeout_s": timeout_s})
+        outcome = store.compare_set(f"{_SETUP_KEY}/{gen}/outcome", "", mine).decode()
+        if outcome == mine:  # this rank decided: later creations use new keys
+            store.add(f"{_SETUP_KEY}/generation", 1)
+        decided = json.loads(outcome)
+        if decided["missing"]:
+            raise SetupTimeoutError(self.rank, decided["missing"], decided["timeout_s"])
+        return [json.loads(v) for v in store.multi_get(keys)]
 
     def _load_table(self) -> dispatch.CrossoverTable:
         """Rank 0's crossover table (``TPCOMM_DISPATCH_TABLE``, else the defaults), on every rank. Collective.
@@ -135,3 +172,19 @@ class SetUp:
             # Two programs per SM (docs/design.md, "Two programs per SM").
             return 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
         return 4
+
+
+#: Prefix of the store keys of :meth:`SetUp._arrive` (in the group's own store, whose keys torch prefixes
+#: per group).
+_SETUP_KEY = "tpcomm/communicator"
+
+
+def _group_store(group):
+    """The ``torch.distributed`` store of ``group`` (torch's ``_get_process_group_store``), or None where
+    this torch has no such function or the group has no store."""
+    try:
+        from torch.distributed.distributed_c10d import _get_process_group_store
+
+        return _get_process_group_store(group)
+    except (ImportError, AttributeError, ValueError, RuntimeError):
+        return None

@@ -8,6 +8,10 @@ random generator seeded by ``(seed, step)`` — the same on every rank, so every
   * ``all_reduce`` of a flat tensor of one of several sizes, and of a 2-D tensor;
   * ``all_gather`` and ``reduce_scatter`` along dim 0 (row counts that the world size does not divide
     included);
+  * ``fused_add_rmsnorm`` with a quantised output form drawn from every form (FP8 per token, per group,
+    per group with UE8M0 scales, static; MXFP4, NVFP4), its unquantised output returned beside it;
+  * ``fused_qk_rmsnorm`` (the full-width QK norm) and ``fused_moe_finalize_add_rmsnorm`` (the MoE
+    finalize, in token order or permuted with an index, with or without a shared expert's output);
 
 each under an algorithm forced for that call (:meth:`tpcomm.Communicator.use_algorithm`): ``auto``, every
 entry of :data:`tpcomm.dispatch.ALGORITHMS` and ``fallback`` (the all-gather and reduce-scatter have one
@@ -18,9 +22,12 @@ each rank waits a random time drawn from its own generator (a spin kernel on the
 
 Inputs are small integers from seeds every rank knows, so each rank computes every expected result
 itself: sums, ``residual_out``, all-gathers and reduce-scatter shares exactly (bit for bit), ``out``
-within the contract's ulps of :func:`tpcomm.add_rmsnorm_reference` (one for 16-bit outputs). At the end
-the ranks compare a checksum of every output bit they produced (the contract says every rank holds the
-same bits; reduce-scatter shares excepted).
+within the contract's ulps of :func:`tpcomm.add_rmsnorm_reference` (one for 16-bit outputs), the QK
+norm's outputs within as many of :func:`tpcomm.fused_qk_rmsnorm_reference`, the MoE call's against
+:func:`tpcomm.moe_finalize_reference` of every rank, and a quantised form's bytes and scales exactly
+against the form's reference applied to the call's own ``out``. At the end the ranks compare a checksum
+of every output bit they produced (the contract says every rank holds the same bits; reduce-scatter
+shares and the QK norm's columns excepted).
 
 A call that raises :class:`~tpcomm.PeerTimeoutError` is a hang: the rank goes on with the step's other
 calls (so that the calls through ``torch.distributed`` keep matching; kernel calls on a broken
@@ -42,7 +49,11 @@ import torch.distributed as dist
 
 #: Call kinds of every step.
 KINDS = ("fused_small", "fused_large", "fused_no_residual", "fused_gemma", "all_reduce_flat",
-         "all_reduce_2d", "all_gather", "reduce_scatter")
+         "all_reduce_2d", "all_gather", "reduce_scatter", "fused_quant", "qk_norm", "moe_finalize")
+#: Quantised output forms the ``fused_quant`` calls draw from: every form of the fused ops.
+QUANT_FORMS = ("fp8_per_token", "fp8_per_group", "fp8_per_group_ue8m0", "fp8_static", "mxfp4", "nvfp4")
+#: Kinds with one kernel (or one path): forced ``auto`` or ``fallback`` only.
+ONE_KERNEL = ("all_gather", "reduce_scatter", "qk_norm")
 #: Magnitude bound of the integer inputs: a sum of W ranks plus a residual stays exact in bf16 (8
 #: significant bits) up to W = 31.
 SMALL_INT = 8
@@ -64,6 +75,10 @@ class SoakConfig:
         small_tokens, large_tokens: token counts of the fused calls.
         flat_sizes: element counts of the flat all-reduces.
         gather_rows, scatter_rows: row counts of the all-gathers and reduce-scatters.
+        quant_hidden, group_sizes: row width of the quantised calls (a multiple of 32, every form's
+            block) and the per-group forms' group sizes to draw from.
+        qk_widths: ``(Hq, Hk)``, each rank's columns of the QK norm's ``q`` and ``k``.
+        topk: experts a token (K) of the MoE finalize.
         dtypes: dtype names to draw from (repeats weight the draw).
         small_max_bytes: ``max_bytes`` of the second communicator (calls larger than it run in chunks).
         max_delay: the largest random delay before a call: seconds on the CPU, microseconds on the GPU.
@@ -81,6 +96,10 @@ class SoakConfig:
     flat_sizes: tuple
     gather_rows: tuple
     scatter_rows: tuple
+    quant_hidden: int
+    group_sizes: tuple
+    qk_widths: tuple
+    topk: int
     dtypes: tuple
     small_max_bytes: int
     max_delay: float
@@ -95,19 +114,23 @@ def make_config(device: str, world_size: int, steps: int, seed: int = 0, timeout
     at 2 ranks ``auto`` runs Lamport up to 4 MiB and two-shot at 16 MiB, at 4 ranks Lamport up to 1 MiB
     and two-shot from 3 MiB); flat all-reduces from one element to 12 MiB; a second
     communicator of 1 MiB (so the large calls run in chunks there); delays up to 20 µs, several times a
-    decode call. The set of shapes is fixed, so the kernels compile once, in the first steps.
+    decode call; quantised calls at hidden 4096, the QK norm at MiniMax-M2's widths on 8 ranks (768 + 128
+    columns a rank), the MoE finalize with 8 experts a token. The set of shapes is fixed, so the kernels
+    compile once, in the first steps.
     CPU (Triton's interpreter, tens of ms a row): hidden 48 (rows padded to 64 in the workspace), 1-5
-    tokens (5: above the interpreter's grid of 4 programs, the grid-stride loop), a 4 KiB second workspace,
-    delays up to 30 ms, about a call's duration.
+    tokens (5: above the interpreter's grid of 4 programs, the grid-stride loop), quantised calls at
+    hidden 64, a 4 KiB second workspace, delays up to 30 ms, about a call's duration.
     """
     if device == "cuda":
         return SoakConfig(device, world_size, steps, seed, timeout_s, hidden=4096, small_tokens=(1, 3, 16, 64),
                           large_tokens=(512, 2048), flat_sizes=(1, 3 * 4096 + 5, 1 << 20, 6 << 20),
-                          gather_rows=(1, 7, 256), scatter_rows=(2, 7, 256, 1024),
+                          gather_rows=(1, 7, 256), scatter_rows=(2, 7, 256, 1024), quant_hidden=4096,
+                          group_sizes=(64, 128), qk_widths=(768, 128), topk=8,
                           dtypes=("bf16", "bf16", "fp16", "fp32"), small_max_bytes=1 << 20,
                           max_delay=20.0 if max_delay is None else max_delay, progress=progress)
     return SoakConfig(device, world_size, steps, seed, timeout_s, hidden=48, small_tokens=(1, 2),
                       large_tokens=(5,), flat_sizes=(1, 37, 4100), gather_rows=(1, 3), scatter_rows=(2, 5),
+                      quant_hidden=64, group_sizes=(16, 32), qk_widths=(32, 16), topk=2,
                       dtypes=("bf16", "bf16", "fp16", "fp32"), small_max_bytes=4096,
                       max_delay=0.03 if max_delay is None else max_delay, progress=progress)
 
@@ -117,13 +140,15 @@ def make_config(device: str, world_size: int, steps: int, seed: int = 0, timeout
 @dataclass(frozen=True)
 class Call:
     """One call of a step: ``kind`` (KINDS), ``shape`` of every rank's input, dtype name, the forced
-    algorithm, and which communicator (``small``: the one with the small workspace)."""
+    algorithm, and which communicator (``small``: the one with the small workspace); ``variant``: the
+    quantised form and group size (``fused_quant``), or the layout and shared expert (``moe_finalize``)."""
 
     kind: str
     shape: tuple
     dtype: str
     algorithm: str
     small: bool
+    variant: tuple = ()
 
 
 def step_calls(cfg: SoakConfig, step: int, algorithms: tuple) -> list[Call]:
@@ -139,13 +164,19 @@ def step_calls(cfg: SoakConfig, step: int, algorithms: tuple) -> list[Call]:
         "all_reduce_2d": (rng.choice(cfg.small_tokens), H),
         "all_gather": (rng.choice(cfg.gather_rows), H),
         "reduce_scatter": (rng.choice(cfg.scatter_rows), H),
+        "fused_quant": (rng.choice(cfg.small_tokens + cfg.large_tokens), cfg.quant_hidden),
+        "qk_norm": (rng.choice(cfg.small_tokens + cfg.large_tokens), *cfg.qk_widths),
+        "moe_finalize": (rng.choice(cfg.small_tokens + cfg.large_tokens), cfg.topk, H),
     }
+    variants = {"fused_quant": (rng.choice(QUANT_FORMS), rng.choice(cfg.group_sizes)),
+                "moe_finalize": (rng.choice(("token", "permuted")), rng.random() < 0.5)}
     kinds = list(KINDS)
     rng.shuffle(kinds)
     calls = []
     for kind in kinds:
-        choices = ("auto", "fallback") if kind in ("all_gather", "reduce_scatter") else algorithms
-        calls.append(Call(kind, shapes[kind], rng.choice(cfg.dtypes), rng.choice(choices), rng.random() < 0.25))
+        choices = ("auto", "fallback") if kind in ONE_KERNEL else algorithms
+        calls.append(Call(kind, shapes[kind], rng.choice(cfg.dtypes), rng.choice(choices), rng.random() < 0.25,
+                          variants.get(kind, ())))
     return calls
 
 
@@ -184,13 +215,20 @@ def _far(a: torch.Tensor, b: torch.Tensor, ulps: int) -> torch.Tensor:
 
 def out_ulps(dtype: torch.dtype, hidden: int) -> int:
     """How far ``out`` may be from the reference: 1 ulp for 16-bit outputs, ``ceil(log2(hidden))`` for
-    float32 (the mean's sum of ``hidden`` squares in another order; see ``tpcomm.demo.out_ulp_tolerance``)."""
+    float32 (the mean's sum of ``hidden`` squares in another order; see ``tpcomm.demo_checks.out_ulp_tolerance``)."""
     return max(1, math.ceil(math.log2(max(hidden, 2)))) if dtype == torch.float32 else 1
+
+
+def _differ_bytes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Device bool: shapes, dtypes or any byte differ (quantised bytes and scales of any dtype)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return torch.ones((), dtype=torch.bool, device=b.device)
+    return (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).any()
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
     """An order-sensitive int64 checksum of ``t``'s bits (device scalar; wraps around)."""
-    b = t.contiguous().view(_INT_VIEW[t.dtype]).reshape(-1).to(torch.int64)
+    b = t.contiguous().view(_INT_VIEW.get(t.dtype, torch.uint8)).reshape(-1).to(torch.int64)
     w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) * 2654435761
     return (b * w).sum()
 
@@ -204,6 +242,9 @@ def run_call(comm, call: Call, rank: int, world_size: int, step: int, index: int
 
     dtype, dev = _DTYPES[call.dtype], comm.device
     key = (seed, step, index)
+    if call.kind in _OTHER_CALLS:
+        with comm.use_algorithm(call.algorithm):
+            return _OTHER_CALLS[call.kind](comm, call, rank, world_size, key, dtype)
     xs = [_ints(call.shape, dtype, dev, *key, q) for q in range(world_size)]
     x = xs[rank]
     nbytes, H = x.numel() * x.element_size(), call.shape[-1]
@@ -233,6 +274,82 @@ def run_call(comm, call: Call, rank: int, world_size: int, step: int, index: int
         share = torch.tensor_split(reduce_in_rank_order(xs), world_size, 0)[rank]
         # every rank holds another share: nothing to compare across ranks
         return _differ(y, share), torch.zeros((), dtype=torch.int64, device=dev), algorithm
+
+
+def _weight(H: int, dtype, dev, *key: int, gemma: bool = False) -> torch.Tensor:
+    g = _generator(dev, *key)
+    return (0.5 * torch.randn(H, generator=g, device=dev) + (0.0 if gemma else 1.0)).to(dtype)
+
+
+def _quant_call(comm, call: Call, rank: int, world_size: int, key: tuple, dtype):
+    """``fused_add_rmsnorm`` with ``call.variant``'s quantised form: ``out`` within the contract's ulps,
+    ``residual_out`` exact, the bytes and scales exactly the form's reference applied to the call's own
+    ``out`` (docs/numerics.md item 4 and the forms' definitions)."""
+    from .reference import add_rmsnorm_reference, quant_form_reference, reduce_in_rank_order
+
+    form, group_size = call.variant
+    dev, (T, H) = comm.device, call.shape
+    xs = [_ints((T, H), dtype, dev, *key, q) for q in range(world_size)]
+    res, w = _ints((T, H), dtype, dev, *key, 1000), _weight(H, dtype, dev, *key, 1001)
+    scale = torch.full((1,), 0.05, dtype=torch.float32, device=dev) if form in ("fp8_static", "nvfp4") else None
+    options = {"group_size": group_size} if "per_group" in form else {}
+    algorithm = comm.plan("fused_add_rmsnorm", T * H * xs[0].element_size(), H, dtype).algorithm
+    q, scales, ro, out = comm.fused_add_rmsnorm(xs[rank], res, w, eps=1e-6, quant=form, scale=scale,
+                                                emit_unquantized=True, **options)
+    out_ref, ro_ref = add_rmsnorm_reference(reduce_in_rank_order(xs), res, w, 1e-6)
+    q_ref, scales_ref = quant_form_reference(out, form, scale=scale, **options)
+    bad = _far(out, out_ref, out_ulps(dtype, H)) | _differ(ro, ro_ref)
+    bad = bad | _differ_bytes(q, q_ref) | _differ_bytes(scales, scales_ref)
+    return bad, _checksum(q) * 1_000_003 + _checksum(scales), algorithm
+
+
+def _qk_call(comm, call: Call, rank: int, world_size: int, key: tuple, dtype):
+    """``fused_qk_rmsnorm`` of every rank's columns: within the contract's ulps of
+    :func:`tpcomm.fused_qk_rmsnorm_reference` (each rank's outputs are its own columns: no checksum)."""
+    from .kernels.qk_norm import fused_qk_rmsnorm_reference
+
+    dev, (T, Hq, Hk) = comm.device, call.shape
+    qs = [_ints((T, Hq), dtype, dev, *key, r) for r in range(world_size)]
+    ks = [_ints((T, Hk), dtype, dev, *key, 2000 + r) for r in range(world_size)]
+    wqs = list(_weight(world_size * Hq, dtype, dev, *key, 1001).split(Hq))  # slices of the full-width weights
+    wks = list(_weight(world_size * Hk, dtype, dev, *key, 1002).split(Hk))
+    algorithm = comm.plan("fused_qk_rmsnorm", T * (Hq + Hk) * qs[0].element_size(), Hq + Hk, dtype).algorithm
+    q_out, k_out = comm.fused_qk_rmsnorm(qs[rank], ks[rank], wqs[rank], wks[rank], eps=1e-6)
+    q_ref, k_ref = fused_qk_rmsnorm_reference(qs, ks, wqs, wks, 1e-6)[rank]
+    bad = _far(q_out, q_ref, out_ulps(dtype, world_size * Hq)) | _far(k_out, k_ref, out_ulps(dtype, world_size * Hk))
+    return bad, torch.zeros((), dtype=torch.int64, device=dev), algorithm
+
+
+def _moe_call(comm, call: Call, rank: int, world_size: int, key: tuple, dtype):
+    """``fused_moe_finalize_add_rmsnorm`` in ``call.variant``'s layout (token order, or permuted with an
+    index) with or without a shared expert's output: against :func:`tpcomm.moe_finalize_reference` of
+    every rank's partial expert outputs, summed in rank order and normalised (docs/numerics.md items 6
+    and 7); ``out`` within the contract's ulps, ``residual_out`` exact."""
+    from .collectives.moe_finalize import moe_finalize_reference
+    from .reference import add_rmsnorm_reference, reduce_in_rank_order
+
+    layout, shared = call.variant
+    dev, (T, K, H) = comm.device, call.shape
+    experts = [_ints((T, K, H), dtype, dev, *key, r) for r in range(world_size)]
+    routing = torch.rand((T, K), generator=_generator(dev, *key, 1003), device=dev)  # the same on every rank
+    index = None
+    if layout == "permuted":  # each slot's row in the experts' order, the same on every rank
+        index = torch.randperm(T * K, generator=_generator(dev, *key, 1004), device=dev).view(T, K).to(torch.int32)
+        experts = [e.new_empty((T * K, H)).index_copy_(0, index.reshape(-1).long(), e.reshape(T * K, H))
+                   for e in experts]
+    shares = [_ints((T, H), dtype, dev, *key, 3000 + r) if shared else None for r in range(world_size)]
+    res, w = _ints((T, H), dtype, dev, *key, 1000), _weight(H, dtype, dev, *key, 1001)
+    algorithm = comm.plan("fused_moe_finalize_add_rmsnorm", T * H * experts[0].element_size(), H, dtype).algorithm
+    out, ro = comm.fused_moe_finalize_add_rmsnorm(experts[rank], routing, res, w, 1e-6, index=index,
+                                                  shared_out=shares[rank])
+    x = reduce_in_rank_order([moe_finalize_reference(e, routing, index=index, shared_out=sh)
+                              for e, sh in zip(experts, shares)])
+    out_ref, ro_ref = add_rmsnorm_reference(x, res, w, 1e-6)
+    return _far(out, out_ref, out_ulps(dtype, H)) | _differ(ro, ro_ref), _checksum(out), algorithm
+
+
+#: The kinds :func:`run_call` hands to a function of their own.
+_OTHER_CALLS = {"fused_quant": _quant_call, "qk_norm": _qk_call, "moe_finalize": _moe_call}
 
 
 # -- the rank loop ------------------------------------------------------------------------------------------

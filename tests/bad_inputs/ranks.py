@@ -761,6 +761,32 @@ CASES["qk q_out overlapping k"] = lambda k: _qk_bad(k, q=lambda g: g["q"][:, :16
 CASES["qk zero tokens (0, H)"] = lambda k: _qk_bad(k, T=0)
 
 
+@case("qk H = 0 (4, 0)")
+def _(k):
+    d, bf = k.device, torch.bfloat16
+    e = torch.empty(4, 0, dtype=bf, device=d)
+    qo, ko = k.comm().fused_qk_rmsnorm(e, e.clone(), torch.empty(0, dtype=bf, device=d),
+                                       torch.empty(0, dtype=bf, device=d))
+    return [] if (tuple(qo.shape), tuple(ko.shape)) == ((4, 0), (4, 0)) else [f"shapes {qo.shape}, {ko.shape}"]
+
+
+@case("qk q (4, 0), k (4, 16)")
+def _(k):
+    """q without columns: its output is empty; k is normalised over every rank's columns, as the reference."""
+    d, bf = k.device, torch.bfloat16
+    ks = [t.float().div(8).to(bf) for t in k.xs(41, (4, 16))]  # every rank's k, small integers / 8
+    w = k.weight(42, 16)
+    e = torch.empty(4, 0, dtype=bf, device=d)
+    qo, ko = k.comm().fused_qk_rmsnorm(e, ks[k.rank], torch.empty(0, dtype=bf, device=d), w)
+    want = tpcomm.fused_qk_rmsnorm_reference([e.cpu()] * k.world_size, [t.cpu() for t in ks],
+                                             [torch.empty(0, dtype=bf)] * k.world_size,
+                                             [w.cpu()] * k.world_size)[k.rank][1]
+    fails = [] if tuple(qo.shape) == (4, 0) else [f"q_out: {tuple(qo.shape)}"]
+    if not torch.equal(bits(ko.cpu()), bits(want)):
+        fails.append("k_out differs from fused_qk_rmsnorm_reference")
+    return fails
+
+
 def _moe_bad(k, finalize_only=False, T=3, **change) -> list:
     """``fused_moe_finalize_add_rmsnorm`` (or ``tpcomm.moe_finalize``) of T tokens, K = 2 slots, H = 32 bf16
     in the permuted layout with a shared output, one argument replaced (a callable of the good ones)."""
@@ -1033,6 +1059,8 @@ EXPECTED: dict[str, dict] = {
     "qk q_out of k's shape": raises(ValueError, "q_out", QK),
     "qk q_out overlapping k": raises(ValueError, "q_out", QK),
     "qk zero tokens (0, H)": result(0, EMPTY),
+    "qk H = 0 (4, 0)": result(0, EMPTY),
+    "qk q (4, 0), k (4, 16)": result(None),
     "moe expert_out float64": raises(TypeError, "expert_out", MOE),
     "moe expert_out (T, K, H) with an index": raises(ValueError, "expert_out", MOE),
     "moe expert_out (M, H) without an index": raises(ValueError, "expert_out", MOE),

@@ -628,6 +628,64 @@ def use_algorithm_spelling_case(ctx, spelling):
         return comm.plan("all_reduce", 16 * 64 * 2, 64, torch.bfloat16).algorithm
 
 
+def setup_timeout_case(ctx, late_s):
+    """Rank 1 creates no communicator (``late_s`` None) or creates it ``late_s`` seconds after rank 0, whose
+    ``timeout_s`` is 1 s: what each rank's constructor raised and after how long; then, after a barrier,
+    a new communicator on every rank and its all-reduce."""
+    import torch.distributed as dist
+
+    from tpcomm import SetupTimeoutError
+
+    start = time.monotonic()
+    outcome = "no call"
+    if ctx.rank == 0 or late_s is not None:
+        if ctx.rank == 1:
+            time.sleep(late_s)
+        try:
+            tpcomm.Communicator(timeout_s=1.0).close()
+            outcome = "created"
+        except SetupTimeoutError as e:
+            outcome = {"missing": e.missing, "message": str(e)}
+    seconds = time.monotonic() - start
+    dist.barrier()
+    with tpcomm.Communicator(timeout_s=1.0) as comm:
+        y = comm.all_reduce(torch.ones(4)).tolist()
+    return {"outcome": outcome, "seconds": seconds, "after": y}
+
+
+def use_algorithm_checked_at_call_case(ctx):
+    """``use_algorithm("warp_speed")`` without a ``with``: the error it raises (None if none), and the
+    algorithm in force afterwards (a valid name outside a ``with`` forces nothing)."""
+    comm = ctx.comm()
+    try:
+        comm.use_algorithm("warp_speed")
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    comm.use_algorithm("two_shot")
+    return {"raised": raised, "after": comm.algorithm}
+
+
+def fused_op_plans_case(ctx):
+    """``comm.plan`` of the QK norm and the MoE finalize beside the fused norm's, in the default dispatch
+    and inside ``use_algorithm("fallback")`` and ``use_algorithm("two_shot")``, and which path each QK
+    call took (kernel launches: the epoch)."""
+    comm = ctx.comm()
+    bf = torch.bfloat16
+    out = {}
+    for forced in ("auto", "fallback", "two_shot"):
+        with comm.use_algorithm(forced):
+            qk = comm.plan("fused_qk_rmsnorm", 4 * (32 + 16) * 2, 32 + 16, bf)
+            moe = comm.plan("fused_moe_finalize_add_rmsnorm", 4 * 64 * 2, 64, bf)
+            fused = comm.plan("fused_add_rmsnorm", 4 * 64 * 2, 64, bf)
+            before = comm.workspace.epoch()
+            comm.fused_qk_rmsnorm(torch.ones(4, 32, dtype=bf), torch.ones(4, 16, dtype=bf), torch.ones(32, dtype=bf),
+                                  torch.ones(16, dtype=bf))
+            out[forced] = {"qk": (qk.algorithm, qk.reason), "moe": (moe.algorithm, moe.reason),
+                           "fused": fused.algorithm, "qk launches": comm.workspace.epoch() - before}
+    return out
+
+
 def env_timeout_case(ctx, value):
     """A communicator created with ``TPCOMM_TIMEOUT_S=value`` and no timeout_s argument."""
     comm = new_communicator(env={"TPCOMM_TIMEOUT_S": value})

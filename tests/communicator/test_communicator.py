@@ -300,6 +300,58 @@ def test_use_algorithm_reads_names_as_the_environment_does(pool2):
     assert all(res == "one_shot" for res in results), results
 
 
+@pytest.mark.parametrize("late_s", [None, 2.5], ids=["never", "late"])
+def test_construction_is_bounded_by_timeout_s(pool2, late_s):
+    """A rank that never creates the communicator, or creates it after its peer's ``timeout_s`` (1 s): rank 0
+    raises ``SetupTimeoutError`` naming rank 1 within the timeout and a margin (not at torch.distributed's
+    own timeout); the late rank raises it too (naming rank 1 when it joined the attempt rank 0 gave up on,
+    rank 0 when it came after and waited for rank 0's next one); a new communicator on every rank then
+    works."""
+    results = pool2.run(ranks.setup_timeout_case, late_s)
+    check = Checks()
+    for r, res in enumerate(results):
+        got = res["outcome"]
+        if r == 1 and late_s is None:
+            check.that(got == "no call", f"rank 1: {got}")
+        else:
+            check.that(isinstance(got, dict) and "did not create" in got["message"], f"rank {r}: {got}")
+            check.that(r == 1 or got["missing"] == [1], f"rank {r}: {got}")
+        check.that(res["after"] == [2.0] * 4, f"rank {r}: the next communicator's all-reduce gave {res['after']}")
+    # 10 s: the 1 s timeout plus the store's round trips on 2 busy cores
+    check.that(results[0]["seconds"] < 10, f"rank 0 raised after {results[0]['seconds']:.1f} s")
+    check.done()
+
+
+def test_use_algorithm_checks_the_name_at_the_call(pool2):
+    """A bad name raises at ``use_algorithm(...)`` itself, not only when a ``with`` block is entered; a valid
+    name outside a ``with`` forces nothing."""
+    for r, res in enumerate(pool2.run(ranks.use_algorithm_checked_at_call_case)):
+        assert res["raised"] and "warp_speed" in res["raised"] and "use_algorithm" in res["raised"], (r, res)
+        assert res["after"] == "auto", (r, res)
+
+
+def test_plan_of_the_qk_norm_and_the_moe_finalize(pool2):
+    """``comm.plan`` answers for the two fused ops: the MoE finalize takes the fused norm's algorithm (the
+    finalize in the prologue, or the standalone finalize first under two-shot), the QK norm its one kernel
+    (one launch here) or the fallback when forced (no kernel but the signature checks)."""
+    check = Checks()
+    for r, res in enumerate(pool2.run(ranks.fused_op_plans_case)):
+        for forced, got in res.items():
+            check.that(got["moe"][0] == got["fused"], f"rank {r} {forced}: moe plan {got['moe']} vs {got['fused']}")
+            want_qk = "fallback" if forced == "fallback" else "lamport"
+            check.that(got["qk"][0] == want_qk, f"rank {r} {forced}: qk plan {got['qk']}")
+        check.that("prologue" in res["auto"]["moe"][1], f"rank {r}: {res['auto']['moe']}")
+        check.that("standalone finalize kernel" in res["two_shot"]["moe"][1], f"rank {r}: {res['two_shot']['moe']}")
+        check.that("1 launch)" in res["auto"]["qk"][1], f"rank {r}: {res['auto']['qk']}")
+        check.that(res["auto"]["qk launches"] == 1, f"rank {r}: {res['auto']['qk launches']} launches")
+        check.that(res["two_shot"]["qk launches"] == 1 and "two_shot forced" in res["two_shot"]["qk"][1],
+                   f"rank {r}: {res['two_shot']}")
+        # the fallback: the call's signature launch, then the all-reduce of the (T, 2) partial sums, itself
+        # a fallback call with its own signature launch
+        check.that(res["fallback"]["qk launches"] == 2, f"rank {r}: {res['fallback']['qk launches']} launches")
+    check.done()
+
+
 def test_timeout_from_environment(pool2):
     """TPCOMM_TIMEOUT_S sets the kernels' timeout when timeout_s is not given."""
     results = pool2.run(ranks.env_timeout_case, "2.5")

@@ -1,5 +1,5 @@
 """Rank bodies of the host-side tests: launch bodies of ``tests/host/test_launch.py`` (for
-``tpcomm.launch.launch``: ``fn(rank, world_size, *args)``) and the pool body of ``tests/host/test_argtypes.py``
+``tpcomm.launch.launch``: ``fn(rank, world_size, *args)``) and the pool body of ``tests/host/test_arguments.py``
 (``fn(ctx, *args)``).
 """
 

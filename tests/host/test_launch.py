@@ -115,6 +115,33 @@ def test_launch_bad_timeout(timeout_s):
         launch(ranks.launch_sleep, 2, "cpu", args=(0,), timeout_s=timeout_s)
 
 
+def test_launch_refuses_a_function_no_rank_can_load():
+    """A lambda (not importable by name) is refused before any rank starts, naming the remedy, instead of
+    every rank dying while it unpickles its function."""
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="module level"):
+        launch(lambda rank, world_size: rank, 2, "cpu")
+    assert time.monotonic() - t0 < 2, "ranks were started"
+
+
+def test_launch_from_python_c_says_why():
+    """``fn`` defined under ``python -c`` (as in a REPL or a notebook): a ValueError that says so, before any
+    rank starts, instead of "exit code 1" of every rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from tpcomm.launch import launch\n"
+            "def work(rank, world_size):\n    return rank\n"
+            "try:\n    launch(work, 2, 'cpu')\nexcept ValueError as e:\n    print('RAISED', e)\n")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAISED launch: fn work is defined in a __main__ without a file (python -c" in proc.stdout, proc.stdout
+
+
 def test_each_launch_gives_its_ranks_the_environment_of_that_moment(monkeypatch):
     """Ranks fork from a server started at the first launch (``rank_context``), yet each launch's ranks
     see the launching process's variables as they are at that launch, set and unset."""

@@ -44,9 +44,9 @@ def test_gpu_create_close_cycles_keep_device_memory_and_fds(cycles):
 
 @pytest.mark.xfail(strict=False, reason="on 2 H200s (torch 2.11) torch.cuda.memory_allocated grew by 1024 bytes "
                                         "per cycle (two 512-byte blocks per Communicator stayed allocated after "
-                                        "close; docs/reliability.md). Workspace.close now drops its "
-                                        "device tables and state, which may be those blocks: not run on GPU since "
-                                        "(make it strict, or remove the mark, once it has)")
+                                        "close; docs/design.md, \"Resource hygiene on GPUs\"). Workspace.close "
+                                        "drops its device tables and state, which may be those blocks (make it "
+                                        "strict, or remove the mark, once a GPU run passes it)")
 def test_gpu_create_close_cycles_keep_memory_allocated_flat(cycles):
     check = Checks()
     for r, res in enumerate(cycles):

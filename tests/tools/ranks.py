@@ -79,8 +79,9 @@ def plans_with_table(ctx, path: str, probes: list) -> list:
 class _Wrapped:
     """A Communicator whose ``method`` misbehaves on its kernel call ``at`` (0-based, counting the calls of
     ``method`` that run a kernel) on rank ``rank``: ``corrupt`` adds 1 to the result, ``skip`` returns a
-    result without making the call. (Skipping a call that goes through ``torch.distributed`` would leave
-    the peers' gloo collectives unmatched: a deadlock of the test harness, not of tpcomm.)"""
+    result without making the call, ``corrupt_q`` (counting only calls with a ``quant`` form) flips the
+    lowest bit of the first quantised byte. (Skipping a call that goes through ``torch.distributed`` would
+    leave the peers' gloo collectives unmatched: a deadlock of the test harness, not of tpcomm.)"""
 
     def __init__(self, comm, method: str, at: int, rank: int, how: str):
         self._comm, self._method, self._at, self._rank, self._how = comm, method, at, rank, how
@@ -93,13 +94,17 @@ class _Wrapped:
 
         def call(x, *args, **kwargs):
             plan = self._comm.plan(name, x.numel() * x.element_size(), x.shape[-1], x.dtype)
-            if plan.algorithm == "fallback":
+            if plan.algorithm == "fallback" or self._how == "corrupt_q" and kwargs.get("quant") is None:
                 return attr(x, *args, **kwargs)
             i, self._count = self._count, self._count + 1
             if i != self._at or self._comm.rank != self._rank:
                 return attr(x, *args, **kwargs)
             if self._how == "skip":
                 return torch.zeros_like(x)
+            if self._how == "corrupt_q":
+                q, *rest = attr(x, *args, **kwargs)
+                q.view(torch.uint8).view(-1)[0] ^= 1
+                return (q, *rest)
             return attr(x, *args, **kwargs) + 1
         return call
 
@@ -167,3 +172,10 @@ def refused_case(ctx, what: str):
     m = demo.make_model(cfg)
     with tpcomm.Communicator() as comm:
         return raised(lambda: shard(m, comm))
+
+
+def demo_rows(ctx, quick: bool = True) -> list:
+    """``tpcomm demo``'s rows of this rank (its communicator is its own, as under ``tpcomm.launch``)."""
+    from tpcomm import demo as ops_demo
+
+    return ops_demo.run_rank(ctx.rank, ctx.world_size, ops_demo.make_config("cpu", ctx.world_size, quick))

@@ -6,8 +6,8 @@ import argparse
 import pytest
 import torch
 
+from tpcomm.arguments import add_bench_arguments, choice_list, int_list
 from tpcomm.bench import metrics
-from tpcomm.bench.args import add_bench_arguments, choice_list, int_list
 from tpcomm.bench.checks import REL_TOL, Case, compare
 from tpcomm.bench.config import (
     FULL_HIDDENS,

@@ -1,6 +1,24 @@
-"""``tpcomm demo``'s table (tpcomm/demo.py): the µs/call column shows only where calls were timed."""
+"""``tpcomm demo`` (tpcomm/demo.py, tpcomm/demo_other_ops.py): its quick sweep on 2 CPU ranks covers every
+op and every quantised form and passes; the table's µs/call column shows only where calls were timed."""
 
-from tpcomm.demo import Row, format_table
+from tests.tools import ranks
+from tpcomm import demo_other_ops
+from tpcomm.demo import OPS, Row, format_table, merge_rows
+
+
+def test_the_demo_covers_every_op_and_passes(pool2):
+    """Every op of the API (the all-reduce, the fused norm with and without residual and Gemma's weight,
+    the all-gather, the reduce-scatter, the QK norm, the MoE finalize) and every quantised form has a
+    row, and every row's checks pass on every rank."""
+    rows = merge_rows(pool2.run(ranks.demo_rows, True))
+    names = " ".join(r.op for r in rows)
+    for op in [name for name, *_ in OPS] + ["tp_mlp", "all_gather", "reduce_scatter", "fused_qk_rmsnorm",
+                                            "fused_moe_finalize_add_rmsnorm"]:
+        assert op in names, f"no row for {op}: {names}"
+    for form in demo_other_ops.QUANT_FORMS:
+        assert f"quant={form}" in names, f"no row for quant={form}"
+    failed = [f"{r.op} {r.shape}: {r.note}" for r in rows if not r.ok]
+    assert not failed, failed
 
 
 def _row(time_us):

@@ -82,3 +82,27 @@ def test_graph_safe_refuses_sliding_window_layers():
     gemma = demo.make_model(ranks.small("gemma", 2, steps=4))
     llama = demo.make_model(ranks.small("llama", 2, steps=4))
     assert not demo.graph_safe(gemma.config) and demo.graph_safe(llama.config)
+
+
+MAKE_MODEL = """
+from dataclasses import replace
+from tpcomm.models import demo
+demo.make_model(replace(demo.ModelDemoConfig(model="llama", dtype="float32", steps=2), layers=1))
+print("MADE")
+"""
+
+
+def test_the_demo_model_loads_without_other_libraries_warnings():
+    """Making the demo's model in a fresh process prints nothing but what the demo prints: no torchao
+    "Failed to load" lines, no torch pytree deprecation warnings (``demo.QUIET_LOGGERS``), where those
+    libraries are installed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", MAKE_MODEL], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "MADE", proc.stdout + proc.stderr[-3000:]
+    assert "Failed to load" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr[-3000:]

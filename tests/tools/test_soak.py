@@ -10,7 +10,7 @@ from tests.tools import ranks
 from tpcomm import dispatch, soak
 from tpcomm.cli import main as cli_main
 
-#: Steps of the CI soak: 8 calls each, about 1-2 s a step on 2 busy cores.
+#: Steps of the CI soak: 11 calls each, about 1-3 s a step on 2 busy cores.
 CI_STEPS = 2
 
 
@@ -38,9 +38,23 @@ def test_soak_counts_a_wrong_result(pools):
     assert "MISMATCH rank 0: step 0" in report
 
 
+def test_soak_counts_a_wrong_quantised_byte(pools):
+    """Rank 0's first quantised call comes back with one byte of ``q`` off by one bit (its ``out`` right):
+    the byte check against the form's reference counts one mismatch, on rank 0 only."""
+    algorithms = ("auto",) + tuple(dispatch.ALGORITHMS) + ("fallback",)
+    seed = next(s for s in range(100) for c in soak.step_calls(_cfg(1, seed=s), 0, algorithms)
+                if c.kind == "fused_quant" and not c.small and c.algorithm != "fallback")
+    per_rank = pools.get(2).run(ranks.pool_soak, {"steps": 1, "seed": seed},
+                                ("fused_add_rmsnorm", 0, 0, "corrupt_q"))
+    report, ok = soak.summarize(_cfg(1), per_rank, 0.0)
+    assert not ok
+    assert [r["mismatches"] for r in per_rank] == [1, 0], report
+    assert "fused_quant" in report.split("MISMATCH rank 0")[1], report
+
+
 #: A seed whose step 0 makes a kernel all_gather on the default communicator (the call rank 1 skips), in
 #: the middle of the step, and whose step 1 makes none there (checked in the test).
-HANG_SEED = 35
+HANG_SEED = 6
 #: The communicators' timeout there: it also bounds every correct call of the soak, and on 2 cores shared
 #: by several test runs a rank can fall half a second behind its peer (0.5 s gave a second, false hang).
 HANG_TIMEOUT_S = 2.0
@@ -69,7 +83,8 @@ def test_soak_counts_a_hang_and_goes_on(pools):
 
 
 def test_steps_draw_every_algorithm_and_kind():
-    """Over 50 steps every kind is called under every algorithm it can take (pure: no ranks)."""
+    """Over 50 steps every kind is called under every algorithm it can take, every quantised form and both
+    MoE layouts are drawn (pure: no ranks)."""
     algorithms = ("auto",) + tuple(dispatch.ALGORITHMS) + ("fallback",)
     seen = Counter()
     for step in range(50):
@@ -78,9 +93,11 @@ def test_steps_draw_every_algorithm_and_kind():
             seen[("small", c.small)] += 1
             seen[("dtype", c.dtype)] += 1
     for kind in soak.KINDS:
-        for a in (("auto", "fallback") if kind in ("all_gather", "reduce_scatter") else algorithms):
+        for a in (("auto", "fallback") if kind in soak.ONE_KERNEL else algorithms):
             assert seen[(kind, a)] > 0, f"{kind} never drawn with {a}"
     assert seen[("small", True)] and seen[("small", False)]
+    variants = {c.variant for step in range(50) for c in soak.step_calls(_cfg(50), step, algorithms)}
+    assert {v[0] for v in variants if v} >= set(soak.QUANT_FORMS) | {"token", "permuted"}, variants
     assert {d for (k, d) in seen if k == "dtype"} == {"bf16", "fp16", "fp32"}
 
 
@@ -96,7 +113,7 @@ def test_tpcomm_soak_command(capsys):
     status = cli_main(["soak", "--steps", "1", "--device", "cpu", "--seed", "4"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "steps 1, calls 8 per rank (2 ranks, cpu), mismatches 0, hangs 0, checksums agree" in out
+    assert f"steps 1, calls {len(soak.KINDS)} per rank (2 ranks, cpu), mismatches 0, hangs 0, checksums agree" in out
     assert out.rstrip().endswith("PASS")
 
 

@@ -8,7 +8,7 @@ poisoned (NaN) where it lets the caller pass them.
 Two strictnesses:
 
 * ``exact`` (tpcomm: the contract): all-reduce, ``residual_out``, all-gather and reduce-scatter bit for
-  bit; ``out`` within :func:`tpcomm.demo.out_ulp_tolerance` units in the last place; FP8 as below.
+  bit; ``out`` within :func:`tpcomm.demo_checks.out_ulp_tolerance` units in the last place; FP8 as below.
 * ``close`` (other libraries, whose summation order and precision are their own): the relative error
   ``||y - ref|| / ||ref||`` (float64) within :data:`REL_TOL` of the dtype; an all-gather moves bits, so it
   is exact for everyone. NaN never passes.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..demo import bit_equal, out_ulp_tolerance, ulp_distance
+from ..demo_checks import bit_equal, out_ulp_tolerance, ulp_distance
 from ..reference import add_rmsnorm_reference, per_token_quant_reference, reduce_in_rank_order
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -161,14 +161,17 @@ def moe_finalize(expert_out: torch.Tensor, topk_weights: torch.Tensor, *, index:
     Raises:
         TypeError, ValueError: as :func:`check_moe_inputs`; ``out`` has another shape, dtype or layout,
             or overlaps an input; the tensors are on a device the kernels do not run on in this process.
+        RuntimeError: CPU tensors, and the kernels cannot run under the interpreter in this process
+            (:func:`tpcomm.env.interpreter_problem` says why: e.g. Triton imported before tpcomm).
     """
     op = "moe_finalize"
     device = expert_out.device if isinstance(expert_out, torch.Tensor) else torch.device("cpu")
     moe, T, H = check_moe_inputs(op, expert_out, topk_weights, index, shared_out, scaling, device)
+    if device.type == "cpu" and interpreter_problem():
+        raise RuntimeError(f"{op}: {interpreter_problem()}")
     if not _kernels_run_on(device):
         how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreter_enabled() else "CUDA"
-        raise ValueError(f"{op}: expert_out is on {device}, but the kernels run on {how} in this process"
-                         + (f" ({interpreter_problem()})" if interpreter_problem() else ""))
+        raise ValueError(f"{op}: expert_out is on {device}, but the kernels run on {how} in this process")
     out = _finalize_out(op, moe, out, T, H, device)
     if T:
         _finalize_into(moe, out, T, H)
@@ -236,9 +239,10 @@ def fused_moe_finalize_add_rmsnorm(comm, expert_out, topk_weights, residual, wei
         shared_out: ``(T, H)`` partial shared-expert output, ``expert_out``'s dtype, added after the
             scaling.
         scaling: the routed scaling factor (a finite Python float, used rounded to float32).
-        fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales, out,
-            residual_out, q_out, scales_out: as :meth:`~tpcomm.Communicator.fused_add_rmsnorm`
-            (``(T, H)`` shapes).
+        fp8_dtype, group_size, column_major_scales, emit_unquantized, scale, swizzled_scales: as
+            :meth:`~tpcomm.Communicator.fused_add_rmsnorm`.
+        out, residual_out, q_out, scales_out: as :meth:`~tpcomm.Communicator.fused_add_rmsnorm` (``(T, H)``
+            shapes).
     Returns:
         What :meth:`~tpcomm.Communicator.fused_add_rmsnorm` returns for ``x`` ``(T, H)``. Safe in CUDA
         graphs.

@@ -63,12 +63,14 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
         row's sum of squares over the ``N = W * H`` columns of every rank (docs/numerics.md, "Full-width
         QK norm": the same ``inv`` bits on every rank; 16-bit outputs take the weight first where ``inv``
         is finite and non-zero). Safe in CUDA graphs. One launch per call (more above
-        ``lamport_slot_bytes / 8`` tokens).
+        ``lamport_slot_bytes / 8`` tokens). No tokens, or no columns in ``q`` and ``k`` (``H = 0``): empty
+        outputs, no communication (as the fused norm); one of them without columns: its output is empty and
+        the other is normalised through the unfused path.
     Raises:
         TypeError: a tensor argument is not a tensor; ``q`` is not bf16 / fp16 / fp32; ``k`` or an output
             has another dtype than ``q``; a weight is neither its input's dtype nor float32; ``eps`` is not
             a real number.
-        ValueError: ``q`` or ``k`` is not 2-D or has no columns; ``k`` has another ``T`` than ``q``; a
+        ValueError: ``q`` or ``k`` is not 2-D; ``k`` has another ``T`` than ``q``; a
             weight's shape is not its input's width; ``eps`` is negative or not finite in float32; a
             tensor is on another device; an output has the wrong shape, a column stride other than 1,
             or overlaps an input or the other output.
@@ -81,9 +83,9 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     q, k = _readable(q), _readable(k)
     q_weight, k_weight = q_weight.resolve_neg().contiguous(), k_weight.resolve_neg().contiguous()
     q_out, k_out = _outputs(q, k, q_weight, k_weight, q_out, k_out, comm.device)
-    if q.shape[0] == 0:
+    if q.shape[0] == 0 or q.shape[1] == k.shape[1] == 0:  # nothing to normalise: no communication
         return q_out, k_out
-    if _plan(comm) == "fallback":
+    if _plan(comm, q, k) == "fallback" or 0 in (q.shape[1], k.shape[1]):  # one side empty: the unfused path
         _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out)
     else:
         _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given, key)
@@ -100,9 +102,8 @@ def _check_inputs(q, k, q_weight, k_weight, eps, device: torch.device) -> float:
     if k.dtype != q.dtype:
         raise TypeError(f"{OP}: k has dtype {k.dtype} but q has {q.dtype}; expected the same dtype")
     for name, t in (("q", q), ("k", k)):
-        if t.dim() != 2 or t.shape[1] == 0:
-            raise ValueError(f"{OP}: {name} has shape {tuple(t.shape)}; expected (T, H) with H >= 1, this "
-                             "rank's columns")
+        if t.dim() != 2:
+            raise ValueError(f"{OP}: {name} has shape {tuple(t.shape)}; expected (T, H), this rank's columns")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"{OP}: k has {k.shape[0]} rows (tokens) but q has {q.shape[0]}; expected the same T")
     for name, w, x in (("q_weight", q_weight, q), ("k_weight", k_weight, k)):
@@ -186,11 +187,13 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 # -- 3. plan -----------------------------------------------------------------------------------------------
-def _plan(comm) -> str:
+def _plan(comm, q: torch.Tensor, k: torch.Tensor) -> str:
     """``"kernel"``, or ``"fallback"`` where the communicator has no workspace (``fallback_reason``) or
-    ``fallback`` is forced (``TPCOMM_ALGO``, ``use_algorithm``); every other algorithm runs the kernel,
-    the op's only one."""
-    return "kernel" if comm.uses_kernels else "fallback"
+    ``fallback`` is forced (``TPCOMM_ALGO``, ``use_algorithm``): what :meth:`~tpcomm.Communicator.plan`
+    says (:func:`tpcomm.dispatch.qk_norm_plan`); every other algorithm runs the kernel, the op's only one."""
+    width = q.shape[1] + k.shape[1]
+    plan = comm.plan(OP, q.shape[0] * width * q.element_size(), width, q.dtype)
+    return "fallback" if plan.algorithm == "fallback" else "kernel"
 
 
 # -- 4. launch ---------------------------------------------------------------------------------------------

@@ -228,8 +228,11 @@ def qk_norm_call(q, k, q_weight, k_weight, q_out, k_out, ws, eps: float, signatu
 def qk_partial_sums_reference(q, k):
     """This rank's sums of squares of each row of ``q`` ``(T, Hq)`` and ``k`` ``(T, Hk)`` (bf16, fp16 or
     fp32), in the kernel's order (:func:`tpcomm.reference.sum_of_squares`): float32 ``(T, 2)``, column 0 for
-    ``q``, 1 for ``k``."""
-    return torch.cat([sum_of_squares(q.to(torch.float32)), sum_of_squares(k.to(torch.float32))], dim=1)
+    ``q``, 1 for ``k``; +0.0 for a tensor of no columns."""
+    def ss(x):
+        return sum_of_squares(x.to(torch.float32)) if x.shape[1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+
+    return torch.cat([ss(q), ss(k)], dim=1)
 
 
 def rms_norm_from_total_reference(x, weight, total, width: int, eps: float):

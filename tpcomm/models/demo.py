@@ -28,6 +28,7 @@ which would hold the peers' launches back while a rank's kernel waits for them).
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass
 
@@ -83,8 +84,16 @@ def graph_safe(config) -> bool:
     return "sliding_attention" not in (getattr(config, "layer_types", None) or ())
 
 
+#: Loggers of libraries that importing a transformers model may load (torchao, with the ``test`` extra),
+#: whose warnings say nothing about this demo: torchao's CUDA extensions that do not load on a CPU build,
+#: and torch's deprecation of a pytree call torchao makes. Raised to ERROR in the demo's processes.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def make_model(cfg: ModelDemoConfig):
     """The seeded model (the same weights on every rank)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     import transformers
 
     torch.manual_seed(cfg.seed)

@@ -413,7 +413,8 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     Collective: every rank calls it with the same ``T``, widths, dtype and ``eps``.
 
     Raises:
-        As :meth:`tpcomm.Communicator.fused_qk_rmsnorm`; ``LookupError`` for an unknown handle.
+        TypeError, ValueError, PeerTimeoutError: as :meth:`tpcomm.Communicator.fused_qk_rmsnorm`.
+        LookupError: an unknown handle.
     """
     q_out, k_out = torch.ops.tpcomm.fused_qk_rmsnorm(handle_of(comm), q, k, q_weight, k_weight, eps)
     return q_out, k_out

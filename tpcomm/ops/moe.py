@@ -104,7 +104,8 @@ def fused_moe_finalize_add_rmsnorm(comm, expert_out: torch.Tensor, topk_weights:
     for ``fp8_static``).
 
     Raises:
-        As :meth:`tpcomm.Communicator.fused_moe_finalize_add_rmsnorm`; ``LookupError`` for an unknown handle.
+        TypeError, ValueError, PeerTimeoutError: as :meth:`tpcomm.Communicator.fused_moe_finalize_add_rmsnorm`.
+        LookupError: an unknown handle.
     """
     outs = list(torch.ops.tpcomm.fused_moe_finalize_add_rmsnorm(
         handle_of(comm), expert_out, topk_weights, index, shared_out, float(scaling), residual, weight, eps, gemma,

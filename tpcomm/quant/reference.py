@@ -533,3 +533,36 @@ def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tenso
     tiles = swizzled.contiguous().view(torch.uint8).reshape(Rp // 128, Cp // 4, 32, 4, 4)
     padded = tiles.permute(0, 3, 2, 1, 4).reshape(Rp, Cp)
     return padded[:rows, :cols].contiguous().view(swizzled.dtype)
+
+
+def quant_form_reference(x: torch.Tensor, quant: str, *, group_size: int = 128,
+                         fp8_dtype: torch.dtype = torch.float8_e4m3fn, scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a fused call with ``quant=quant`` returns as ``(q, scales)`` for its unquantised output ``x``,
+    in plain torch (the default layouts: row-major scales, no swizzle): the reference of each form above.
+
+    Args:
+        x: ``(T, H)`` float tensor, the fused call's ``out``.
+        quant: ``"fp8_per_token"``, ``"fp8_per_group"``, ``"fp8_per_group_ue8m0"``, ``"fp8_static"``,
+            ``"mxfp4"`` or ``"nvfp4"``.
+        group_size: the per-group forms' group size.
+        fp8_dtype: the FP8 forms' format.
+        scale: ``fp8_static``'s scale, ``nvfp4``'s global scale (one float32 element).
+    Returns:
+        ``(q, scales)``; for ``fp8_static`` ``scales`` is ``scale`` itself, as the fused call returns it.
+    Raises:
+        ValueError: another ``quant``; the form's own errors (``H`` not a multiple of its block).
+    """
+    if quant == "fp8_per_token":
+        return per_token_quant_reference(x, fp8_dtype)
+    if quant == "fp8_per_group":
+        return per_group_quant_reference(x, group_size, fp8_dtype)
+    if quant == "fp8_per_group_ue8m0":
+        return per_group_ue8m0_quant_reference(x, group_size, fp8_dtype)
+    if quant == "fp8_static":
+        return static_fp8_quant_reference(x, scale, fp8_dtype), scale
+    if quant == "mxfp4":
+        return mxfp4_quant_reference(x)
+    if quant == "nvfp4":
+        return nvfp4_quant_reference(x, scale)
+    raise ValueError(f"quant_form_reference: quant must be one of the fused ops' forms, got {quant!r}")

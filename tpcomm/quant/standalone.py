@@ -107,6 +107,8 @@ def per_token_quant_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e
         TypeError: ``x`` is not a tensor or has another dtype.
         ValueError: ``x`` is not 2-D or has ``H == 0``; ``fp8_dtype`` is not one of the two formats;
             ``x`` is on a device the kernels do not run on in this process.
+        RuntimeError: ``x`` is on the CPU and the kernels cannot run under the interpreter in this process
+            (:func:`tpcomm.env.interpreter_problem` says why; every standalone quantiser alike).
     """
     _check("per_token_quant_fp8", x, fp8_dtype)
     x = _rows(x)

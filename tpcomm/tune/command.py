@@ -1,4 +1,5 @@
-"""The ``tpcomm tune`` command: its options, the run on the GPUs, and what is done with the results.
+"""The ``tpcomm tune`` command: the run on the GPUs, and what is done with the results (its options:
+:func:`tpcomm.arguments.add_tune_arguments`).
 
 :func:`main` checks the machine and starts the ranks (:func:`tpcomm.tune.rank.run_rank`);
 :func:`finish` (no GPU: the tests call it with synthetic times) merges the ranks, derives the
@@ -11,53 +12,11 @@ import argparse
 import datetime
 import time
 
-from ..argtypes import positive_int, world_size as ranks_arg
-from .config import DTYPE_NAMES, OPS, default_out_path, estimate_seconds, make_config, measurements_path
+from .config import OPS, default_out_path, estimate_seconds, make_config, measurements_path
 
 #: Exit statuses: a table was written / a check, a rank or the workspace failed / this machine cannot
 #: run it or an argument is invalid (as ``tpcomm bench``).
 OK, FAILED, UNUSABLE = 0, 1, 2
-
-
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
-
-
-def _ops(text: str) -> tuple[str, ...]:
-    vals = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not vals or any(v not in OPS for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated ops from {','.join(OPS)}, got {text!r}")
-    return tuple(op for op in OPS if op in vals)
-
-
-def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``tpcomm tune`` (added to its subparser by :mod:`tpcomm.cli`)."""
-    p.add_argument("--world", type=ranks_arg, default=None, help="GPUs, >= 2 (default: all visible)")
-    p.add_argument("--hidden", type=positive_int, default=6144,
-                   help="hidden size of the fused op's rows (default 6144); the all-reduce is flat")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16",
-                   help="default bf16; fp32 has no Lamport (its threshold is kept from the defaults)")
-    p.add_argument("--ops", type=_ops, default=OPS, help=f"comma-separated, from {','.join(OPS)} (default both)")
-    p.add_argument("--quick", action="store_true",
-                   help="11 sizes per op and fewer replays (about a minute on 2 H200s)")
-    p.add_argument("--out", default=None, metavar="PATH",
-                   help="the table (default ~/.cache/tpcomm/dispatch-w<world>.json); the raw measurements "
-                        "go beside it (<stem>-measurements.json)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the expected device time of the sweep and exit (no GPU needed)")
-    p.add_argument("--graph-calls", type=positive_int, default=None, help="most calls per graph (default 20)")
-    p.add_argument("--replays", type=positive_int, default=None,
-                   help="most timed replays per measurement (default 30, 20 with --quick)")
-    p.add_argument("--margin-pct", type=_non_negative, default=2.0,
-                   help="tie margin, relative part: an algorithm beats another only when faster by more "
-                        "than max(margin-us, margin-pct %% of the other's time) (default 2)")
-    p.add_argument("--margin-us", type=_non_negative, default=0.3, help="tie margin, absolute part (default 0.3)")
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -1,11 +1,23 @@
-"""The CLI's value types (tpcomm/argtypes.py): a bad value is a usage error naming the option."""
+"""The command line's arguments (tpcomm/arguments.py): a bad value is a usage error naming the option; the
+console script's front (tpcomm_cli.py) parses without importing torch; the choices agree with the
+package's."""
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tpcomm import argtypes
-from tpcomm.cli import build_parser
+from tpcomm import __version__, arguments as argtypes
+from tpcomm.arguments import build_parser as _build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_parser():
+    return _build_parser(__version__)
 
 
 @pytest.mark.parametrize("fn,good,bad", [
@@ -34,15 +46,13 @@ def test_bad_option_is_a_usage_error(argv, option, capsys):
 
 
 def test_version(capsys):
-    from tpcomm import __version__
-
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tpcomm {__version__}"
 
 
 def test_lists_drop_repeats_and_world_lists_need_two_ranks(capsys):
-    from tpcomm.argtypes import choice_list, int_list, world_list
+    from tpcomm.arguments import choice_list, int_list, world_list
 
     assert int_list("2,2,16") == (2, 16) and choice_list(("graph", "eager"))("graph,graph") == ("graph",)
     assert world_list("2,4,2") == (2, 4)
@@ -150,3 +160,62 @@ def test_version_matches_the_changelog_and_the_package_metadata():
     assert releases and releases[0] == __version__, f"changelog's latest release {releases[:1]}, tpcomm {__version__}"
     project = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
     assert project and project.group(1) == __version__, f"pyproject says {project and project.group(1)}"
+
+
+FRONT = """
+import sys, time
+t0 = time.perf_counter()
+import tpcomm_cli
+try:
+    tpcomm_cli.main(sys.argv[1:])
+except SystemExit as e:
+    print("EXIT", e.code, "torch" in sys.modules, "tpcomm" in sys.modules, f"{time.perf_counter() - t0:.2f}")
+"""
+
+
+@pytest.mark.parametrize("argv,code", [(["--help"], 0), (["--version"], 0), (["demo", "--world", "0"], 2),
+                                       (["soak", "--bogus"], 2), ([], 2)],
+                         ids=["help", "version", "bad_value", "bad_option", "no_command"])
+def test_the_console_script_parses_before_importing_torch(argv, code):
+    """``tpcomm --help``, ``--version`` and a usage error end in the front (``tpcomm_cli``) without importing
+    torch or the tpcomm package: a fraction of a second instead of the seconds torch's import takes."""
+    proc = subprocess.run([sys.executable, "-c", FRONT, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("EXIT")]
+    assert line, proc.stdout + proc.stderr
+    _, got, torch_imported, tpcomm_imported, seconds = line[0].split()
+    assert int(got) == code and torch_imported == "False" and tpcomm_imported == "False", (line, proc.stderr)
+
+
+def test_the_console_script_runs_a_command():
+    """A valid command goes on to ``tpcomm.cli.run``: ``tpcomm bench --estimate`` prints the sweep's time."""
+    proc = subprocess.run([sys.executable, "-c", "import tpcomm_cli, sys; sys.exit(tpcomm_cli.main())", "bench",
+                           "--estimate", "--quick", "--world", "2"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "Estimated device time" in proc.stdout, proc.stdout
+
+
+def test_the_parser_offers_the_packages_choices():
+    """The parser's choices (stdlib only, so it cannot import them) are the package's own."""
+    from tpcomm.bench import config as bench_config
+    from tpcomm.bench.contenders import NAMES
+    from tpcomm.tune import config as tune_config
+
+    assert argtypes.BENCH_OPS == tuple(bench_config.OPS)
+    assert argtypes.BENCH_MODES == bench_config.MODES
+    assert argtypes.DTYPE_NAMES == bench_config.DTYPE_NAMES == tune_config.DTYPE_NAMES
+    assert argtypes.BENCH_CONTENDERS == NAMES
+    assert argtypes.TUNE_OPS == tuple(tune_config.OPS)
+
+
+def test_the_parser_imports_nothing_of_tpcomm():
+    """tpcomm/arguments.py imports the standard library only (the front loads it without the package)."""
+    import ast
+
+    tree = ast.parse((ROOT / "tpcomm" / "arguments.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] if n.module else "." for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.level == 0}
+    relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert not relative and imported <= {"__future__", "argparse"}, (imported, relative)
