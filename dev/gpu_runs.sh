@@ -28,7 +28,8 @@
 #   bash dev/gpu_runs.sh new-ops         # ONE GPU: the fused QK norm's and the fused MoE finalize's loopback
 #                                        # tests side by side (TEST_S, default 200), then their benches
 #                                        # (benchmarks/qk_norm_loopback.py; benchmarks/moe_loopback.py with
-#                                        # TRT-LLM's MoE fusions beside, FlashInfer from .whl/; MOE=0: no MoE bench)
+#                                        # TRT-LLM's MoE fusions beside, FlashInfer from .whl/; MOE=0: no MoE bench,
+#                                        # QK=0: no QK bench)
 #   bash dev/gpu_runs.sh model           # ONE GPU: tpcomm demo --model llama and gemma on loopback ranks
 #                                        # (transformers from .whl-hf/), then the loopback tests
 #   bash dev/gpu_runs.sh sweep           # ONE GPU: the deadline sweep (tests/faults/test_gpu_deadline_sweep.py)
@@ -169,9 +170,11 @@ new-ops)
          echo "${f%%:*} rc=$?" >> $W/summary.txt; tail -3 $W/${f%%:*}.log >> $W/summary.txt) &
     done
     wait
-    timeout 120 python3 benchmarks/qk_norm_loopback.py --worlds 2,4 --tokens 1,16,64,256 \
-        --out $W/qk_norm_loopback.json > $W/qk_bench.log 2>&1
-    echo "qk_bench rc=$?" >> $W/summary.txt
+    if [ "${QK:-1}" = 1 ]; then
+        timeout 120 python3 benchmarks/qk_norm_loopback.py --worlds 2,4 --tokens 1,16,64,256 \
+            --out $W/qk_norm_loopback.json > $W/qk_bench.log 2>&1
+        echo "qk_bench rc=$?" >> $W/summary.txt
+    fi
     if [ "${MOE:-1}" = 1 ]; then
         with_flashinfer timeout 200 python3 benchmarks/moe_loopback.py --worlds 2,4 --hiddens 3072,7168 \
             --tokens 1,16,64,256 --k 8 --out $W/moe_loopback.json > $W/moe_bench.log 2>&1
