@@ -10,14 +10,18 @@ What it does to one graph:
 1. finds the ``_c10d_functional.all_reduce(x, "sum", group)`` nodes whose group is the communicator's
    (the graph names a group only by its string name: the communicator's own, or a group of the same
    global ranks in the same order, whose sum is the same);
-2. makes, once per group name, an Inductor ``PatternMatcherPass`` of every site kind in every norm style
-   (and, for each FP8 quantiser configuration the graph holds, the quantised kinds);
-3. applies it: each candidate is traced again with its own shapes and dtypes and checked
-   (:func:`tpcomm.inductor.sites.refusal`) before it is rewritten;
-4. reports (:class:`FusionReport`: logged on ``tpcomm.inductor`` at INFO, kept in ``FusionPass.reports``)
+2. puts each sum first in the residual adds that follow them (:func:`tpcomm.inductor.sites.put_sum_first`);
+3. takes the Inductor ``PatternMatcherPass`` of the communicator and group, shared by every pass of that
+   communicator in the process, registering in it what the graph needs and it lacks: every site kind in
+   every norm style for each dtype of the all-reduces, and the quantised kinds for each FP8 quantiser
+   configuration the graph holds (tracing a site takes tens of milliseconds);
+4. applies it: each candidate is traced again with its own shapes and dtypes and checked
+   (:func:`tpcomm.inductor.sites.refusal`) before it is rewritten; then puts back the operand order of
+   the adds it did not rewrite;
+5. reports (:class:`FusionReport`: logged on ``tpcomm.inductor`` at INFO, kept in ``FusionPass.reports``)
    and warns (:class:`FusionWarning`) when the graph held all-reduces on the group and none was
    rewritten;
-5. runs the pass that was in the slot before it (``chain``), if any.
+6. runs the pass that was in the slot before it (``chain``), if any.
 
 A rewritten graph calls the communicator through its handle (:mod:`tpcomm.ops`), so ``uuid()`` (the key
 of Inductor's FX graph cache) names the handle, the group and the pass's source: a cached graph is
@@ -30,6 +34,7 @@ import hashlib
 import logging
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +43,7 @@ from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import ops as _ops  # noqa: F401  (registers the tpcomm:: ops that the sites and replacements name)
+from ..ops.registry import lookup
 from ..version import __version__
 from . import sites as _sites
 from .norms import NORM_STYLES
@@ -145,10 +151,7 @@ class FusionPass(CustomGraphPass):
         self.ranks = tuple(dist.get_process_group_ranks(comm.group))
         self.chain = tuple(chain) if isinstance(chain, (list, tuple)) else () if chain is None else (chain,)
         self.reports: list[FusionReport] = []
-        self._patterns: dict[str, pm.PatternMatcherPass] = {}  # group name -> its patterns
-        self._quants: dict[str, set] = {}  # group name -> quantiser configurations registered
         self._same_group: dict[str, bool] = {}
-        self._report: FusionReport | None = None
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.reports.append(self._rewrite(graph))
@@ -175,12 +178,18 @@ class FusionPass(CustomGraphPass):
         if not ours:
             return report
         quants = {q for q in map(_sites.Quant.of, graph.nodes) if q is not None}
-        self._report = report
+        dtypes = {v.dtype for v in (n.args[0].meta.get("val") for n in ours) if getattr(v, "dtype", None)
+                  in _sites.DTYPES}
+        turned = _sites.put_sum_first([u for n in ours for u in n.users if u.target is _sites.WAIT])
+        _ACTIVE.append((self, report))
         try:
             for name in sorted({n.args[2] for n in ours}):
-                self._patterns_for(name, quants).apply(graph)
+                _patterns(self.handle, name, dtypes, quants).apply(graph)
         finally:
-            self._report = None
+            _ACTIVE.pop()
+            _sites.put_back(turned, graph)
+        order = {n.name: i for i, n in enumerate(ours)}
+        report.rewrites.sort(key=lambda r: order[r.all_reduce])  # the matcher walks the graph backwards
         left = {n.name for n in graph.nodes if n.target is _sites.ALL_REDUCE}
         report.unfused = {n.name: report.unfused.get(n.name, NO_PATTERN) for n in ours if n.name in left}
         log.info("%s", report)
@@ -190,31 +199,16 @@ class FusionPass(CustomGraphPass):
                 f"no site was rewritten; the model runs unfused. {report}"), stacklevel=2)
         return report
 
-    def _patterns_for(self, group: str, quants: set) -> pm.PatternMatcherPass:
-        """The patterns of ``group``: every unquantised site, made on first use, and the quantised sites of
-        each configuration in ``quants`` not registered yet."""
-        patterns = self._patterns.get(group)
-        if patterns is None:
-            patterns = self._patterns[group] = pm.PatternMatcherPass(pass_name="tpcomm_fusion")
-            self._quants[group] = set()
-            for site in _sites.sites_of(NORM_STYLES):
-                _sites.register(site, group, self.handle, patterns, self._check)
-        for quant in quants - self._quants[group]:
-            self._quants[group].add(quant)
-            for site in _sites.sites_of(NORM_STYLES, quant):
-                _sites.register(site, group, self.handle, patterns, self._check)
-        return patterns
-
-    def _check(self, match: pm.Match, site: _sites.Site) -> bool:
+    def _check(self, match: pm.Match, site: _sites.Site, report: FusionReport) -> bool:
         """Accept or refuse a candidate (:func:`tpcomm.inductor.sites.refusal`), recording either."""
         node = _sites.all_reduce_of(match)
         why = _sites.refusal(match, site, self.device)
         if why is not None:
-            self._report.unfused[node.name] = why
+            report.unfused[node.name] = why
             return False
         x = match.kwargs["x"].meta["val"]
-        self._report.rewrites.append(Rewrite(site.kind, site.norm.name, str(x.dtype).removeprefix("torch."),
-                                             tuple(x.shape), node.name))
+        report.rewrites.append(Rewrite(site.kind, site.norm.name, str(x.dtype).removeprefix("torch."),
+                                       tuple(x.shape), node.name))
         return True
 
     def _is_ours(self, name: str) -> bool:
@@ -239,3 +233,33 @@ def _source_hash() -> str:
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
+
+
+# -- the patterns of each (handle, group), shared by every pass of that communicator in this process --------
+#: ``(handle, group name) -> (patterns, the (dtype, quantiser or None) pairs registered in them)``; an entry
+#: goes with its communicator.
+_REGISTRY: dict[tuple[int, str], tuple[pm.PatternMatcherPass, set]] = {}
+#: The pass applying patterns now and its report (the checks of the shared patterns record into it).
+_ACTIVE: list[tuple[FusionPass, FusionReport]] = []
+
+
+def _patterns(handle: int, group: str, dtypes: set, quants: set) -> pm.PatternMatcherPass:
+    """The patterns of ``handle`` on ``group``, with every site kind registered for each dtype in ``dtypes``,
+    unquantised and with each quantiser in ``quants``."""
+    key = (handle, group)
+    if key not in _REGISTRY:
+        _REGISTRY[key] = (pm.PatternMatcherPass(pass_name="tpcomm_fusion"), set())
+        weakref.finalize(lookup(handle), _REGISTRY.pop, key, None)
+    patterns, done = _REGISTRY[key]
+    for dtype in sorted(dtypes, key=str):
+        for quant in [None] + sorted(quants, key=str):
+            if (dtype, quant) not in done:
+                done.add((dtype, quant))
+                for site in _sites.sites_of(NORM_STYLES, quant):
+                    _sites.register(site, dtype, group, handle, patterns, _check_active)
+    return patterns
+
+
+def _check_active(match: pm.Match, site: _sites.Site) -> bool:
+    fusion, report = _ACTIVE[-1]
+    return fusion._check(match, site, report)

@@ -12,7 +12,9 @@ kind                       the graph computes                             rewrit
 ``norm, sum kept``         ``out = norm(s)`` and ``s`` used elsewhere      ``fused_add_rmsnorm(x, zeros)``
 =========================  =============================================  ====================================
 
-(``s = wait_tensor(all_reduce(x))``; the residual add in either order.) Where the graph then quantises
+(``s = wait_tensor(all_reduce(x))``.) The residual add may have its operands in either order: the pass
+first puts ``s`` first (:func:`put_sum_first`; IEEE addition commutes) and puts back the adds it did not
+rewrite, so one pattern serves both orders. Where the graph then quantises
 ``out`` with one of tpcomm's standalone FP8 ops (:mod:`tpcomm.ops.quant`), the site takes the quantiser
 too and becomes ``fused_add_rmsnorm_fp8`` with that quantiser's form, emitting ``out`` as well where the
 graph uses it elsewhere.
@@ -22,10 +24,11 @@ item 2 makes ``residual_out = T(f32(s) + 0.0)``, and the contract's ``s`` is nev
 accumulator starts at +0.0), the one value that adding +0.0 would change. It costs one extra read of a
 ``T x H`` zero tensor in the kernel; the fused op keeps one schema for every site.
 
-Patterns are traced per dtype with meta tensors (no collective runs): a bf16 norm has
-``convert_element_type`` nodes that a float32 one lacks, so float32-only patterns would match no bf16
-site. fp16 needs no pattern of its own: the matcher's first stage ignores dtypes, and every candidate is
-traced again with its own shapes and dtypes (``register_replacement``'s check) before it is accepted.
+Patterns are traced with meta tensors (no collective runs), for each dtype the graph's all-reduces carry:
+a bf16 norm has ``convert_element_type`` nodes that a float32 one lacks, so float32-only patterns would
+match no bf16 site. Every candidate is traced again with its own shapes and dtypes
+(``register_replacement``'s check) before it is accepted, so a pattern traced with ``(T, H)`` examples
+also finds ``(B, T, H)`` sites and symbolic token counts.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from .norms import NormStyle
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-#: Activation dtypes the fused kernels take (also the dtypes patterns are traced for: 16-bit, 32-bit).
+ADD = torch.ops.aten.add.Tensor
+#: Activation dtypes the fused kernels take.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TRACED_DTYPES = (torch.bfloat16, torch.float32)
 #: The eps of the traced patterns (``scalar_workaround`` turns it into an argument): exact in float32, so
 #: ``torch.rms_norm``'s rounding of eps to float32 keeps it, and no other constant of a norm equals it.
 PATTERN_EPS = 2.0 ** -20
@@ -106,7 +109,7 @@ class Site:
 
     Attributes:
         norm: the RMSNorm style.
-        residual: ``"left"`` (``residual + s``), ``"right"`` (``s + residual``) or None (no residual).
+        residual: ``r = s + residual`` is normalised (else ``s`` itself).
         keeps_sum: no residual, and ``s`` is used elsewhere too (the fused op gets a zero residual and
             its ``residual_out`` replaces ``s``).
         quant: the quantiser after the norm, or None.
@@ -114,7 +117,7 @@ class Site:
     """
 
     norm: NormStyle
-    residual: str | None = None
+    residual: bool = False
     keeps_sum: bool = False
     quant: Quant | None = None
     emit_unquantized: bool = False
@@ -142,11 +145,7 @@ class Site:
     # -- the search function and the replacement ------------------------------------------------------
     def _search(self, group: str, x, residual, weight, eps, scale) -> tuple:
         s = WAIT(ALL_REDUCE(x, "sum", group))
-        r = None
-        if self.residual == "left":
-            r = residual + s
-        elif self.residual == "right":
-            r = s + residual
+        r = s + residual if self.residual else None
         out = self.norm.fn(s if r is None else r, weight, eps)
         outs = [out] if self.quant is None else self.quant.apply(out, scale) + ([out] if self.emit_unquantized
                                                                                   else [])
@@ -209,20 +208,41 @@ def _with_arguments(site: Site, body):
 
 def sites_of(norms, quant: Quant | None = None) -> list[Site]:
     """Every kind of site for ``norms``, unquantised or with ``quant`` (then with and without ``out``)."""
-    shapes = [("left", False), ("right", False), (None, False), (None, True)]
+    shapes = [(True, False), (False, False), (False, True)]
     emits = (False,) if quant is None else (False, True)
     return [Site(norm, residual, keeps_sum, quant, emit) for norm in norms for residual, keeps_sum in shapes
             for emit in emits]
 
 
-def register(site: Site, group: str, handle: int, patterns: pm.PatternMatcherPass, check) -> None:
-    """Trace ``site`` for each of :data:`TRACED_DTYPES` into ``patterns``; a candidate is rewritten when
+def register(site: Site, dtype: torch.dtype, group: str, handle: int, patterns: pm.PatternMatcherPass,
+             check) -> None:
+    """Trace ``site`` with ``dtype`` activations into ``patterns``; a candidate is rewritten when
     ``check(match, site)`` accepts it."""
     search, replace = site.functions(group, handle)
-    for dtype in TRACED_DTYPES:
-        pm.register_replacement(search, replace, site.example_inputs(dtype), pm.fwd_only, patterns,
-                                extra_check=lambda match, site=site: check(match, site),
-                                scalar_workaround={"eps": PATTERN_EPS})
+    pm.register_replacement(search, replace, site.example_inputs(dtype), pm.fwd_only, patterns,
+                            extra_check=lambda match: check(match, site), scalar_workaround={"eps": PATTERN_EPS})
+
+
+def put_sum_first(waits) -> list[torch.fx.Node]:
+    """Turn each ``add(residual, s)`` of a ``wait_tensor`` node ``s`` in ``waits`` into ``add(s, residual)``
+    (IEEE addition commutes: the same value, NaN payloads aside), the order the patterns are traced in.
+    Returns the adds turned, for :func:`put_back`."""
+    turned = []
+    for s in waits:
+        for user in list(s.users):
+            if user.target is ADD and len(user.args) == 2 and not user.kwargs and user.args[1] is s \
+                    and user.args[0] is not s:
+                user.args = (s, user.args[0])
+                turned.append(user)
+    return turned
+
+
+def put_back(turned: list[torch.fx.Node], graph: torch.fx.Graph) -> None:
+    """Restore the operand order of the adds :func:`put_sum_first` turned that are still in ``graph``."""
+    present = set(graph.nodes)
+    for node in turned:
+        if node in present:
+            node.args = (node.args[1], node.args[0])
 
 
 # -- the checks before a rewrite ----------------------------------------------------------------------------
