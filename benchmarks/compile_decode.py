@@ -171,8 +171,9 @@ def main(argv=None) -> int:
         ok = ok and all(s == expected_sites for s in results["fused"]["sites"])
         if comm.rank == 0:
             print("\n".join(results["fused"]["reports"][:1]))
-            print(f"{comm.world_size} {'GPUs' if cuda else 'CPU ranks'}, Llama {a.layers} layers, hidden {a.hidden}, bf16; step = one forward "
-                  "of T tokens, no KV cache; median over steps of the max over ranks")
+            where = "GPUs" if cuda else "CPU ranks"
+            print(f"{comm.world_size} {where}, Llama {a.layers} layers, hidden {a.hidden}, bf16; step = one "
+                  "forward of T tokens, no KV cache; median over steps of the max over ranks")
             print("| T | unfused (NCCL + Inductor) µs | fused (tpcomm pass) µs | speed-up | logits rel. diff |")
             print("|---|---|---|---|---|")
             for r in rows:

@@ -55,6 +55,8 @@ def saved(tmp_path_factory):
 def test_hf_tensor_parallel_model_gets_fused_sites(pool2, saved, family, dtype_name):
     counts, unfused = EXPECTED[family]
     results = pool2.run(ranks.hf_case, saved[family], dtype_name, timeout_s=300)
+    print(f"{family} {dtype_name}: logits' relative max error against the unsharded model: eager TP "
+          f"{results[0]['eager']:.2g}, compiled with the pass {results[0]['compiled']:.2g}; {results[0]['counts']}")
     check = Checks()
     for r, got in enumerate(results):
         check.that(got["graphs"] == 1 and got["counts"] == counts and len(got["unfused"]) == unfused,
