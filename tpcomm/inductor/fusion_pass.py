@@ -162,7 +162,7 @@ class FusionPass(CustomGraphPass):
         """The FX graph cache's key of this pass: the source of the pass, tpcomm's version, the handle, the
         group (name and global ranks) and the chained passes' uuids; None (no caching) when a chained
         pass has none."""
-        chained = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chain)
+        chained = tuple(p.uuid() if callable(getattr(p, "uuid", None)) else None for p in self.chain)
         if any(u is None for u in chained):
             return None
         return (_source_hash(), self.handle, self.group_name, self.ranks, chained)
