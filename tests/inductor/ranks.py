@@ -198,6 +198,16 @@ def _quantise(quant: str, h: torch.Tensor):
     return tpcomm.static_quant_fp8(h, scale), scale
 
 
+def within_eager(errors: dict, dtype_name: str) -> bool:
+    """The compiled output's error against the unsharded model is of eager tensor parallelism's size: at
+    most twice eager's, or two units of the dtype's epsilon (relative) where eager's is smaller. The fused
+    kernel rounds differently (one rounding where a norm rounds twice, a correctly rounded 1/sqrt where
+    rsqrt is not, a float32 rank-order sum), each a rounding of the size eager's own are made of; a wrong
+    residual, weight or sum is off by orders of magnitude more."""
+    eps = torch.finfo(DTYPES[dtype_name]).eps
+    return errors["compiled"] <= max(2 * errors["eager"], 2 * eps)
+
+
 def _rel_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref|, in float64."""
     return ((a.double() - ref).abs().max() / ref.abs().max()).item()

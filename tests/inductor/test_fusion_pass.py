@@ -20,16 +20,6 @@ from tests.support.numerics import Checks
 QUANTISED_BLOCKS = (("left", "token"), ("right", "group+out"), ("left", "static+out"))
 
 
-def within_eager(errors: dict, dtype_name: str) -> bool:
-    """The compiled output's error against the unsharded model is of eager tensor parallelism's size: at
-    most twice eager's, or two units of the dtype's epsilon (relative) where eager's is smaller. The fused
-    kernel rounds differently (one rounding where a norm rounds twice, a correctly rounded 1/sqrt where
-    rsqrt is not, a float32 rank-order sum), each a rounding of the size eager's own are made of; a wrong
-    residual, weight or sum is off by orders of magnitude more."""
-    eps = torch.finfo(ranks.DTYPES[dtype_name]).eps
-    return errors["compiled"] <= max(2 * errors["eager"], 2 * eps)
-
-
 def test_every_site_and_quantiser_is_rewritten_within_eager_error(pool2):
     """fp16, 2-D, ``nn.RMSNorm``: the input projection's site (its sum kept as the first residual) and a
     block per FP8 quantiser; each block's fused FP8 bytes and scales equal the standalone quantiser's of
@@ -42,7 +32,7 @@ def test_every_site_and_quantiser_is_rewritten_within_eager_error(pool2):
     for r, got in enumerate(results):
         check.that(got["reports"] == [expected] and got["unfused"] == [0] and not got["warnings"],
                    f"rank {r}: rewrote {got['reports']}, expected {[expected]}:\n" + "\n".join(got["report_text"]))
-        check.that(all(within_eager(e, "fp16") for e in got["errors"]),
+        check.that(all(ranks.within_eager(e, "fp16") for e in got["errors"]),
                    f"rank {r}: errors against the unsharded model {got['errors']}")
         check.that(got["quant_same"] == [True, True], f"rank {r}: FP8 bytes and scales as the standalone "
                                                       f"quantiser's, per block showing them: {got['quant_same']}")
@@ -59,7 +49,7 @@ def test_inductor_code_generation_with_dynamic_tokens(pool2):
     for r, got in enumerate(results):
         check.that(got["reports"] == [{"norm": 1, "add+norm": 2}],
                    f"rank {r}: one compilation expected, rewrote {got['reports']}:\n" + "\n".join(got["report_text"]))
-        check.that(len(got["errors"]) == 3 and all(within_eager(e, "fp32") for e in got["errors"]),
+        check.that(len(got["errors"]) == 3 and all(ranks.within_eager(e, "fp32") for e in got["errors"]),
                    f"rank {r}: errors against the unsharded model {got['errors']}")
     check.done()
 
@@ -71,7 +61,7 @@ def test_an_unknown_norm_runs_unfused_with_a_warning(pool2):
     for r, got in enumerate(results):
         assert got["reports"] == [{}] and got["unfused"] == [3], f"rank {r}: {got['report_text']}"
         assert len(got["warnings"]) == 1 and "no site was rewritten" in got["warnings"][0], got["warnings"]
-        assert all(within_eager(e, "bf16") and e["vs_eager"] <= torch.finfo(torch.bfloat16).eps for e in
+        assert all(ranks.within_eager(e, "bf16") and e["vs_eager"] <= torch.finfo(torch.bfloat16).eps for e in
                    got["errors"]), f"rank {r}: {got['errors']}"
 
 

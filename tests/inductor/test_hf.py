@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.inductor import ranks
-from tests.inductor.test_fusion_pass import within_eager
 from tests.support.numerics import Checks
 
 transformers = pytest.importorskip("transformers")
@@ -61,6 +60,6 @@ def test_hf_tensor_parallel_model_gets_fused_sites(pool2, saved, family, dtype_n
     for r, got in enumerate(results):
         check.that(got["graphs"] == 1 and got["counts"] == counts and len(got["unfused"]) == unfused,
                    f"rank {r}: expected {counts} and {unfused} unfused:\n{got['text']}")
-        check.that(within_eager(got, dtype_name), f"rank {r}: logits' errors against the unsharded model: "
+        check.that(ranks.within_eager(got, dtype_name), f"rank {r}: logits' errors against the unsharded model: "
                                                   f"eager {got['eager']:.3g}, compiled {got['compiled']:.3g}")
     check.done()

@@ -21,9 +21,9 @@ SLOT = "post_grad_custom_post_pass"
 
 def compile(model, comm, *, backend: str = "inductor", options: dict | None = None, mode: str | None = None,
             **kwargs):
-    """``torch.compile(model, ...)`` with tpcomm's fusion pass (:class:`~tpcomm.inductor.FusionPass`) on
-    ``comm``: every all-reduce -> residual add -> RMSNorm site of ``comm``'s group becomes one fused
-    tpcomm kernel.
+    """``torch.compile(model, ...)`` with tpcomm's fusion pass
+    (:class:`~tpcomm.inductor.fusion_pass.FusionPass`) on ``comm``: every all-reduce -> residual add ->
+    RMSNorm site of ``comm``'s group becomes one fused tpcomm kernel.
 
     The same as ``torch.compile(model, options={"post_grad_custom_post_pass": tpcomm.fusion_pass(comm)},
     ...)``, except that a pass already in the slot (in ``options`` or ``torch._inductor.config``) keeps
@@ -32,7 +32,7 @@ def compile(model, comm, *, backend: str = "inductor", options: dict | None = No
 
     Args:
         model: the module or function (a tensor-parallel model whose row-parallel layers all-reduce on
-            ``comm``'s group: ``parallelize_module``, Hugging Face ``tp_plan="auto"``).
+            ``comm``'s group: ``parallelize_module``, Hugging Face ``DistributedConfig(tp_size=N)``).
         comm: the :class:`~tpcomm.Communicator` of that group, or a pass made by :func:`tpcomm.fusion_pass`
             (to read its reports), used as it is.
         backend: ``"inductor"`` (default), or ``"post_grad_eager"``: Inductor's passes, then the graph run
@@ -45,7 +45,7 @@ def compile(model, comm, *, backend: str = "inductor", options: dict | None = No
     Raises:
         ValueError: an unknown ``backend``; a pass given as ``comm`` while the slot holds another pass that
             it does not chain (make it with ``tpcomm.fusion_pass(comm, chain=...)``).
-        TypeError, ValueError: as :class:`~tpcomm.inductor.FusionPass` for ``comm``.
+        TypeError, ValueError: as :class:`~tpcomm.inductor.fusion_pass.FusionPass` for ``comm``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"tpcomm.compile: backend={backend!r}; expected one of {', '.join(BACKENDS)}")

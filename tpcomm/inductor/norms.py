@@ -7,8 +7,8 @@ plain-torch source of one family of models; :mod:`tpcomm.inductor.sites` traces 
 dtype and the pattern matcher finds the same ops in the model's graph.
 
 Each function computes ``norm(x, weight, eps)`` over the last dimension of ``x`` (any number of leading
-dimensions); what the fused kernel computes instead is contract item 3 (docs/numerics.md), within one
-unit in the last place of these.
+dimensions); what the fused kernel computes instead is contract item 3 (docs/numerics.md): the same
+function, rounded otherwise (within a unit in the last place of a 16-bit output, a few of a float32 one).
 """
 
 from __future__ import annotations
