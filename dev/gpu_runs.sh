@@ -37,6 +37,11 @@
 #                                        # the rest; SWEEP_TRIALS per op, default 600); its JSON summaries kept
 #   bash dev/gpu_runs.sh every-op        # 2+ GPUs: tpcomm demo (every op and quantised form, DEMO_S, default
 #                                        # 150), then the soak of every op (STEPS, default 10000; SOAK_S, 400)
+#   bash dev/gpu_runs.sh compile-bench   # 2+ GPUs (WORLD, default 2): a Llama (4 layers, hidden 4096, bf16) under
+#                                        # transformers' own tensor parallelism, torch.compile with CUDA graphs
+#                                        # without and with tpcomm's fusion pass, step time of each at TOKENS
+#                                        # (default 1,16,64) (benchmarks/compile_decode.py; transformers and
+#                                        # accelerate from .whl-hf/; COMPILE_S, default 540)
 #
 # A tree is a copy of the package: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`.
 # FlashInfer without network: docs/flashinfer-offline.md. Logs go to $OUT/work (OUT defaults to ./out) and are
@@ -87,6 +92,14 @@ model_demos() {
         PYTHONPATH=.:$site timeout 150 python3 -m tpcomm demo --model $m --device cuda > $W/demo-$m.log 2>&1
         echo "demo-$m rc=$?" >> $W/summary.txt; tail -4 $W/demo-$m.log >> $W/summary.txt
     done
+}
+
+# Run "$@" with transformers and accelerate importable: their wheels and their dependencies' from .whl-hf/
+# (`pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl-hf
+# transformers accelerate` where there is network) installed into a temporary site.
+with_transformers() {
+    site=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" $ROOT/.whl-hf/*.whl
+    PYTHONPATH=.:$site "$@"
 }
 
 case "$1" in
@@ -208,8 +221,14 @@ for part in ('sweep', 'mismatch'):
             >> $W/summary.txt 2>&1; }
     sweep_part ops $((S * 2 / 3)) -k "not qk_rmsnorm"
     sweep_part qk $((S / 3)) -k qk_rmsnorm ;;
+compile-bench)
+    # The same Hugging Face model compiled (CUDA graphs) without and with tpcomm's fusion pass, one process per GPU;
+    # loopback ranks cannot carry a compiled model (benchmarks/compile_decode.py says why).
+    with_transformers timeout ${COMPILE_S:-540} python3 -m torch.distributed.run --nproc_per_node ${WORLD:-2} \
+        benchmarks/compile_decode.py --tokens ${TOKENS:-1,16,64} --out $W/compile_decode.json > $W/compile_decode.log 2>&1
+    echo "compile_decode rc=$?" >> $W/summary.txt; grep -E "^\||skips|Error" $W/compile_decode.log | tail -12 >> $W/summary.txt ;;
 *)
-    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|every-op|model|sweep"
+    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|every-op|model|sweep|compile-bench"
     exit 2 ;;
 esac
 # What comes back from a lent machine is a few files: the tarball and the summary (a run cut short leaves $OUT/work).

@@ -59,4 +59,7 @@ __all__ += ["mxfp4_quant", "nvfp4_quant", "pack_ue8m0_scales", "per_group_quant_
 from .graphs import GraphCaptureError  # noqa: E402  (tpcomm.ops, the custom ops, is imported on demand)
 
 __all__ += ["GraphCaptureError"]
+from .inductor import compile, fusion_pass  # noqa: E402  (torch.compile with the fusion pass; Inductor on demand)
+
+__all__ += ["compile", "fusion_pass"]
 from .version import __version__  # noqa: E402, F401  (tpcomm.__version__)

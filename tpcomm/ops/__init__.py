@@ -24,6 +24,9 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
     torch.ops.tpcomm.fused_moe_finalize_add_rmsnorm(handle, expert_out, topk_weights, index?, shared_out?,
                                                    scaling, residual?, weight, eps, gemma, quant?, ...) -> Tensor[]
         # as fused_add_rmsnorm / fused_add_rmsnorm_fp8 (the schema: tpcomm.ops.moe)
+    torch.ops.tpcomm.per_token_quant_fp8(x, fp8_dtype) -> (Tensor, Tensor)     # the standalone quantisers
+    torch.ops.tpcomm.per_group_quant_fp8(x, group_size, fp8_dtype, column_major_scales, ue8m0) -> (Tensor, Tensor)
+    torch.ops.tpcomm.static_quant_fp8(x, scale, fp8_dtype) -> Tensor           # (no handle: tpcomm.ops.quant)
 
 Each op runs the :class:`~tpcomm.Communicator` method it is named after; it has a fake (meta)
 implementation that gives the output's shape, dtype, device and strides without running anything, so
@@ -64,13 +67,16 @@ capture, one stream per communicator) is in :mod:`tpcomm.graphs`.
 
 The package: :mod:`tpcomm.ops.registry` (the handles, and the signatures that
 :func:`tpcomm.capture.before_call` keys a call by), :mod:`tpcomm.ops.core` (the all-reduce, fused norm,
-QK norm, all-gather and reduce-scatter ops) and :mod:`tpcomm.ops.moe` (the MoE finalize ops); every
-public name is importable from ``tpcomm.ops`` itself.
+QK norm, all-gather and reduce-scatter ops), :mod:`tpcomm.ops.moe` (the MoE finalize ops) and
+:mod:`tpcomm.ops.quant` (the standalone FP8 quantisers); every public name is importable from
+``tpcomm.ops`` itself.
 """
 
 from .core import all_gather, all_reduce, fused_add_rmsnorm, fused_qk_rmsnorm, reduce_scatter
 from .moe import fused_moe_finalize_add_rmsnorm, moe_finalize
+from .quant import per_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
 from .registry import handle_of, lookup, register
 
 __all__ = ["all_gather", "all_reduce", "fused_add_rmsnorm", "fused_moe_finalize_add_rmsnorm", "fused_qk_rmsnorm",
            "handle_of", "lookup", "moe_finalize", "reduce_scatter", "register"]
+__all__ += ["per_group_quant_fp8", "per_token_quant_fp8", "static_quant_fp8"]
