@@ -52,8 +52,8 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def measure(cfg: Config, W: int) -> list[dict]:
     from tpcomm.bench.loopback import graph_us
-    from tpcomm.kernels.qk_norm import fused_qk_rmsnorm_reference
     from tpcomm.loopback import close_group, loopback_group, run_ranks
+    from tpcomm.reference import fused_qk_rmsnorm_reference
 
     dtype = getattr(torch, cfg.dtype)
     Hq, Hk = cfg.q_width // W, cfg.k_width // W

@@ -43,6 +43,7 @@ from .reference import (  # noqa: E402
     add_rmsnorm_reference,
     all_reduce_reference,
     fused_add_rmsnorm_reference,
+    fused_qk_rmsnorm_reference,
     per_group_quant_reference,
     per_token_quant_reference,
     reduce_in_rank_order,
@@ -51,8 +52,6 @@ from .reference import (  # noqa: E402
 __all__ = ["Communicator", "PeerAbortedError", "PeerMismatchError", "PeerTimeoutError", "SetupTimeoutError",
            "TpcommError", "add_rmsnorm_reference", "all_reduce_reference", "fused_add_rmsnorm_reference",
            "reduce_in_rank_order"]
-from .kernels.qk_norm import fused_qk_rmsnorm_reference  # noqa: E402
-
 __all__ += ["moe_finalize", "moe_finalize_reference", "fused_qk_rmsnorm_reference"]
 __all__ += ["mxfp4_quant", "nvfp4_quant", "pack_ue8m0_scales", "per_group_quant_fp8", "per_token_quant_fp8",
             "static_quant_fp8", "per_group_quant_reference", "per_token_quant_reference"]

@@ -81,7 +81,7 @@ def _scatter(comm, cfg, case, op, T):
 
 
 def _qk(comm, cfg, case, op, T):
-    from .kernels.qk_norm import fused_qk_rmsnorm_reference
+    from .reference import fused_qk_rmsnorm_reference
 
     W, dtype = comm.world_size, DTYPES[cfg.dtype]
     Hq, Hk = cfg.qk_widths[0] // W, cfg.qk_widths[1] // W  # this rank's heads' columns

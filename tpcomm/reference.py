@@ -190,3 +190,46 @@ def reduce_scatter_reference(x: torch.Tensor, group=None) -> torch.Tensor:
     Collective."""
     start, length = share_bounds(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
     return all_reduce_reference(x, group)[start:start + length].clone()
+
+
+# -- the full-width QK norm (tpcomm.collectives.qk_norm): the fallback's arithmetic and the tests' oracle
+def qk_partial_sums_reference(q, k):
+    """This rank's sums of squares of each row of ``q`` ``(T, Hq)`` and ``k`` ``(T, Hk)`` (bf16, fp16 or
+    fp32), in the kernel's order (:func:`sum_of_squares`): float32 ``(T, 2)``, column 0 for ``q``, 1 for
+    ``k``; +0.0 for a tensor of no columns."""
+    def ss(x):
+        return sum_of_squares(x.to(torch.float32)) if x.shape[1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+
+    return torch.cat([ss(q), ss(k)], dim=1)
+
+
+def rms_norm_from_total_reference(x, weight, total, width: int, eps: float):
+    """``x`` ``(T, H)`` normalised with the full-width sum of squares ``total`` ``(T, 1)`` float32 over
+    ``width`` columns, the kernel's operations and order: ``inv = 1 / sqrt(total / width + eps)``, each
+    step correctly rounded to float32; ``out = T((v * inv) * w')``, or ``T((v * w') * inv)`` for 16-bit
+    outputs with ``0 < inv <= FLT_MAX`` (``epilogue.weight_first``). Returns a new ``(T, H)`` tensor of
+    ``x``'s dtype."""
+    v, w = x.to(torch.float32), weight.to(torch.float32)
+    # division and square root in float64, rounded once: the correctly rounded float32 results (as
+    # add_rmsnorm_reference, which says why)
+    ms = (total.double() / float(width)).float()
+    rt = torch.sqrt((ms + torch.full_like(ms, eps)).double()).float()
+    inv = (1.0 / rt.double()).float()
+    if x.dtype in (torch.bfloat16, torch.float16):
+        first = (inv > 0) & (inv <= torch.finfo(torch.float32).max)
+        return torch.where(first, (v * w) * inv, (v * inv) * w).to(x.dtype)
+    return ((v * inv) * w).to(x.dtype)
+
+
+def fused_qk_rmsnorm_reference(qs, ks, q_weights, k_weights, eps: float = 1e-6):
+    """The full-width QK norm's outputs of every rank, in plain torch, from every rank's inputs: ``qs`` /
+    ``ks`` the ranks' ``(T, Hq)`` / ``(T, Hk)`` columns and ``q_weights`` / ``k_weights`` their weight
+    slices, lists in rank order. The contract (docs/numerics.md, "Full-width QK norm"): the partial
+    sums (:func:`qk_partial_sums_reference`) summed in rank order in float32 from +0.0
+    (:func:`reduce_in_rank_order`), then each rank's columns normalised over the full widths
+    (:func:`rms_norm_from_total_reference`). Returns ``[(q_out, k_out)]`` per rank."""
+    W = len(qs)
+    total = reduce_in_rank_order([qk_partial_sums_reference(q, k) for q, k in zip(qs, ks)])
+    return [(rms_norm_from_total_reference(q, wq, total[:, :1], W * q.shape[1], eps),
+             rms_norm_from_total_reference(k, wk, total[:, 1:], W * k.shape[1], eps))
+            for q, k, wq, wk in zip(qs, ks, q_weights, k_weights)]

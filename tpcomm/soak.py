@@ -306,7 +306,7 @@ def _quant_call(comm, call: Call, rank: int, world_size: int, key: tuple, dtype)
 def _qk_call(comm, call: Call, rank: int, world_size: int, key: tuple, dtype):
     """``fused_qk_rmsnorm`` of every rank's columns: within the contract's ulps of
     :func:`tpcomm.fused_qk_rmsnorm_reference` (each rank's outputs are its own columns: no checksum)."""
-    from .kernels.qk_norm import fused_qk_rmsnorm_reference
+    from .reference import fused_qk_rmsnorm_reference
 
     dev, (T, Hq, Hk) = comm.device, call.shape
     qs = [_ints((T, Hq), dtype, dev, *key, r) for r in range(world_size)]

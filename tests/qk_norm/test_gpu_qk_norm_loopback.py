@@ -42,8 +42,8 @@ def _same(a, b):
 
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_every_rank_matches_the_reference(case):
-    from tpcomm.kernels.qk_norm import fused_qk_rmsnorm_reference
     from tpcomm.loopback import close_group, loopback_group, run_ranks
+    from tpcomm.reference import fused_qk_rmsnorm_reference
 
     W, T, Hq, Hk, dtype = case
     ranks = loopback_group(W, max_bytes=8 << 20, timeout_s=20.0)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests.support.harness import new_communicator
 from tests.support.numerics import Checks, assert_same_bits, assert_same_values, assert_within_ulp, dtype_name, raised
-from tpcomm.kernels.qk_norm import fused_qk_rmsnorm_reference
+from tpcomm.reference import fused_qk_rmsnorm_reference
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 EPS = 1e-6

@@ -25,12 +25,8 @@ import torch
 
 from .. import call_cache, dispatch
 from ..env import interpreter_enabled
-from ..kernels.qk_norm import (
-    qk_norm_call,
-    qk_partial_sums_reference,
-    rms_norm_from_total_reference,
-    rows_per_block,
-)
+from ..kernels.qk_norm import qk_norm_call, rows_per_block
+from ..reference import qk_partial_sums_reference, rms_norm_from_total_reference
 from ..validate import check_tensor
 from .fallback import HOST_WRITES
 from .fused_norm import FLOAT32_MAX
@@ -234,7 +230,7 @@ def _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out) -> None:
 
 def unfused_qk_rmsnorm(comm, q, k, q_weight, k_weight, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """The op without its kernel, on checked arguments: the ``(T, 2)`` float32 partial sums
-    (:func:`~tpcomm.kernels.qk_norm.qk_partial_sums_reference`), ``comm.all_reduce`` of them (rank order,
+    (:func:`~tpcomm.reference.qk_partial_sums_reference`), ``comm.all_reduce`` of them (rank order,
     float32 from +0.0), then the two norms in torch (the kernel's operations): the same bits as the kernel.
     Collective. Returns new ``(q_out, k_out)``."""
     W = comm.world_size
