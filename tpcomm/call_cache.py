@@ -221,10 +221,10 @@ def fused_key(x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
                   None if scales_out is None else scales_out.device)
 
 
-def qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, algorithm: str) -> tuple | None:
+def qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, algorithm: str, kv_replicas=1) -> tuple | None:
     """Key of ``fused_qk_rmsnorm``: contiguous tensors only (a packed QKV view takes the full path, whose
     overlap test knows row strides), their shapes, dtypes and devices, which of them are one object, and
-    ``eps`` with its type."""
+    ``eps`` and ``kv_replicas`` with their types."""
     tensors = (q, k, q_weight, k_weight, q_out, k_out)
     for t in tensors:
         if t is not None and (t.__class__ not in _PLAIN or t.is_neg() or not t.is_contiguous()):
@@ -235,7 +235,7 @@ def qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, algorithm: str) -> tuple
             q_weight.shape, k_weight.shape, q_weight.device, k_weight.device, k.device,
             None if q_out is None else (q_out.shape, q_out.dtype, q_out.device),
             None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
-            eps.__class__, eps, algorithm, same)
+            eps.__class__, eps, algorithm, same, kv_replicas.__class__, kv_replicas)
 
 
 def dim_key(op: str, x, dim, algorithm: str) -> tuple | None:

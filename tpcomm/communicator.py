@@ -214,13 +214,15 @@ class Communicator(SetUp):
 
     def fused_qk_rmsnorm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                          eps: float = 1e-6, *, q_out: torch.Tensor | None = None,
-                         k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         k_out: torch.Tensor | None = None, kv_replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of this rank's query and key columns ``q`` ``(T, Nq / W)`` and ``k`` ``(T, Nk / W)`` over
         their full width (every rank's columns: MiniMax-M2's ``q_norm`` / ``k_norm``), in one kernel: the
         per-token sums of squares summed over the ranks in rank order in float32, so every rank scales a
         token by the same bits. Plain torch: ``rms_norm(q_full, w_q, eps)[:, this rank's columns]``.
+        ``kv_replicas``: each group of that many consecutive ranks holds the same ``k`` columns (more
+        ranks than key-value heads); ``k``'s mean of squares counts each distinct column once.
         Arguments, returns and raises: :func:`tpcomm.collectives.qk_norm.fused_qk_rmsnorm`."""
-        key = call_cache.qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, self.algorithm)
+        key = call_cache.qk_key(q, k, q_weight, k_weight, eps, q_out, k_out, self.algorithm, kv_replicas)
         try:
             entry = self._calls.lookup(key)
         except TypeError:  # an unhashable argument (e.g. a list for eps): the full path names it
@@ -229,7 +231,8 @@ class Communicator(SetUp):
             outs = entry.hit(self, q, k, q_weight, k_weight, q_out, k_out)
             if outs is not None:
                 return outs
-        return qk_norm.fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out, key=key)
+        return qk_norm.fused_qk_rmsnorm(self, q, k, q_weight, k_weight, eps, q_out=q_out, k_out=k_out,
+                                        kv_replicas=kv_replicas, key=key)
 
     def fused_moe_finalize_add_rmsnorm(self, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                                        residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *,

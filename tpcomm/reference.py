@@ -197,10 +197,12 @@ def qk_partial_sums_reference(q, k):
     """This rank's sums of squares of each row of ``q`` ``(T, Hq)`` and ``k`` ``(T, Hk)`` (bf16, fp16 or
     fp32), in the kernel's order (:func:`sum_of_squares`): float32 ``(T, 2)``, column 0 for ``q``, 1 for
     ``k``; +0.0 for a tensor of no columns."""
-    def ss(x):
-        return sum_of_squares(x.to(torch.float32)) if x.shape[1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+    return torch.cat([_row_sums_of_squares(q), _row_sums_of_squares(k)], dim=1)
 
-    return torch.cat([ss(q), ss(k)], dim=1)
+
+def _row_sums_of_squares(x):
+    """:func:`sum_of_squares` of ``f32(x)`` ``(T, H)``, ``(T, 1)``; +0.0 where ``H = 0``."""
+    return sum_of_squares(x.to(torch.float32)) if x.shape[1] else x.new_zeros((x.shape[0], 1), dtype=torch.float32)
 
 
 def rms_norm_from_total_reference(x, weight, total, width: int, eps: float):
@@ -221,15 +223,21 @@ def rms_norm_from_total_reference(x, weight, total, width: int, eps: float):
     return ((v * inv) * w).to(x.dtype)
 
 
-def fused_qk_rmsnorm_reference(qs, ks, q_weights, k_weights, eps: float = 1e-6):
+def fused_qk_rmsnorm_reference(qs, ks, q_weights, k_weights, eps: float = 1e-6, *, kv_replicas: int = 1):
     """The full-width QK norm's outputs of every rank, in plain torch, from every rank's inputs: ``qs`` /
     ``ks`` the ranks' ``(T, Hq)`` / ``(T, Hk)`` columns and ``q_weights`` / ``k_weights`` their weight
     slices, lists in rank order. The contract (docs/numerics.md, "Full-width QK norm"): the partial
     sums (:func:`qk_partial_sums_reference`) summed in rank order in float32 from +0.0
     (:func:`reduce_in_rank_order`), then each rank's columns normalised over the full widths
-    (:func:`rms_norm_from_total_reference`). Returns ``[(q_out, k_out)]`` per rank."""
+    (:func:`rms_norm_from_total_reference`). ``kv_replicas`` ``R`` (dividing ``len(qs)``): ranks
+    ``g * R .. g * R + R - 1`` hold the same ``k`` columns; the k total is the rank-order sum over the
+    distinct shards ``ks[0], ks[R], ks[2R], ...`` alone, over ``len(qs) / R * Hk`` columns. Returns
+    ``[(q_out, k_out)]`` per rank."""
     W = len(qs)
-    total = reduce_in_rank_order([qk_partial_sums_reference(q, k) for q, k in zip(qs, ks)])
-    return [(rms_norm_from_total_reference(q, wq, total[:, :1], W * q.shape[1], eps),
-             rms_norm_from_total_reference(k, wk, total[:, 1:], W * k.shape[1], eps))
+    if kv_replicas < 1 or W % kv_replicas:
+        raise ValueError(f"fused_qk_rmsnorm_reference: kv_replicas must divide the {W} ranks, got {kv_replicas}")
+    total_q = reduce_in_rank_order([_row_sums_of_squares(q) for q in qs])
+    total_k = reduce_in_rank_order([_row_sums_of_squares(k) for k in ks[::kv_replicas]])
+    return [(rms_norm_from_total_reference(q, wq, total_q, W * q.shape[1], eps),
+             rms_norm_from_total_reference(k, wk, total_k, W // kv_replicas * k.shape[1], eps))
             for q, k, wq, wk in zip(qs, ks, q_weights, k_weights)]

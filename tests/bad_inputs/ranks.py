@@ -733,7 +733,7 @@ def _(k):
 
 
 # the full-width QK norm and the MoE finalize: their own arguments -----------------------------------------------
-def _qk_bad(k, T=4, q=None, kk=None, q_weight=None, k_weight=None, eps=1e-6, **outs) -> list:
+def _qk_bad(k, T=4, q=None, kk=None, q_weight=None, k_weight=None, eps=1e-6, kv_replicas=1, **outs) -> list:
     """``fused_qk_rmsnorm`` of q ``(T, 32)`` and k ``(T, 16)`` bf16 with one argument replaced (a callable
     of the good tensors, or a value); a good call returns zero-row outputs of the right shapes."""
     d, bf = k.device, torch.bfloat16
@@ -742,7 +742,8 @@ def _qk_bad(k, T=4, q=None, kk=None, q_weight=None, k_weight=None, eps=1e-6, **o
     args = {n: (f(good) if callable(f) else f) if f is not None else good[n]
             for n, f in (("q", q), ("k", kk), ("q_weight", q_weight), ("k_weight", k_weight))}
     outs = {n: f(args) for n, f in outs.items()}
-    qo, ko = k.comm().fused_qk_rmsnorm(args["q"], args["k"], args["q_weight"], args["k_weight"], eps, **outs)
+    qo, ko = k.comm().fused_qk_rmsnorm(args["q"], args["k"], args["q_weight"], args["k_weight"], eps,
+                                       kv_replicas=kv_replicas, **outs)
     if T:
         return ["no exception"]
     return [] if (tuple(qo.shape), tuple(ko.shape)) == ((0, 32), (0, 16)) else [f"shapes {qo.shape}, {ko.shape}"]
@@ -785,6 +786,11 @@ def _(k):
     if not torch.equal(bits(ko.cpu()), bits(want)):
         fails.append("k_out differs from fused_qk_rmsnorm_reference")
     return fails
+
+
+CASES["qk kv_replicas 3 (not a divisor of the world size)"] = lambda k: _qk_bad(k, kv_replicas=3)
+CASES["qk kv_replicas 0"] = lambda k: _qk_bad(k, kv_replicas=0)
+CASES["qk kv_replicas 2.0 (a float)"] = lambda k: _qk_bad(k, kv_replicas=2.0)
 
 
 def _moe_bad(k, finalize_only=False, T=3, **change) -> list:
@@ -1061,6 +1067,9 @@ EXPECTED: dict[str, dict] = {
     "qk zero tokens (0, H)": result(0, EMPTY),
     "qk H = 0 (4, 0)": result(0, EMPTY),
     "qk q (4, 0), k (4, 16)": result(None),
+    "qk kv_replicas 3 (not a divisor of the world size)": raises(ValueError, "kv_replicas", QK),
+    "qk kv_replicas 0": raises(ValueError, "kv_replicas", QK),
+    "qk kv_replicas 2.0 (a float)": raises(TypeError, "kv_replicas", QK),
     "moe expert_out float64": raises(TypeError, "expert_out", MOE),
     "moe expert_out (T, K, H) with an index": raises(ValueError, "expert_out", MOE),
     "moe expert_out (M, H) without an index": raises(ValueError, "expert_out", MOE),

@@ -68,22 +68,33 @@ def test_every_rank_matches_the_reference(case):
         close_group(ranks)
 
 
-def test_graph_replays():
+def _replicate(ks, wk, R):
+    """``k`` and its weight of the first rank of each group of ``R`` copied to the group's other ranks."""
+    for r in range(len(ks)):
+        ks[r].copy_(ks[r - r % R])
+        wk[r].copy_(wk[r - r % R])
+
+
+@pytest.mark.parametrize("W, R, Hq, Hk", [(2, 1, 3072, 512), (4, 2, 1536, 512)], ids=["w2", "w4-kv_replicas2"])
+def test_graph_replays(W, R, Hq, Hk):
     """A graph of 7 calls (an odd number: the parities alternate across replays), each on its own inputs,
     replayed 4 times with new inputs copied in: every call's outputs match the reference on every rank
-    in every replay (a call that read another call's words, or a stale parity's, would give other bits)."""
+    in every replay (a call that read another call's words, or a stale parity's, would give other bits);
+    with ``kv_replicas`` (``k`` and its weight the same on the ranks of a group) too."""
     from tests.support.numerics import Checks
     from tpcomm import fused_qk_rmsnorm_reference
     from tpcomm.loopback import close_group, loopback_group, run_ranks
 
-    W, T, Hq, Hk = 2, 16, 3072, 512
+    T = 16
     ranks = loopback_group(W, max_bytes=8 << 20, timeout_s=20.0)
     try:
         calls = [_inputs(W, T, Hq, Hk, torch.bfloat16, seed=1 + i) for i in range(7)]
+        for _, ks, _, wk in calls:
+            _replicate(ks, wk, R)
 
         def body():
             return [run_ranks(ranks, lambda rk, c=c: rk.fused_qk_rmsnorm(c[0][rk.rank], c[1][rk.rank], c[2][rk.rank],
-                                                                          c[3][rk.rank], 1e-6))
+                                                                          c[3][rk.rank], 1e-6, kv_replicas=R))
                     for c in calls]
 
         body()  # compile outside the capture
@@ -94,14 +105,15 @@ def test_graph_replays():
         check = Checks()
         for rep in range(4):
             g = torch.Generator(device="cuda").manual_seed(10 + rep)
-            for qs, ks, _, _ in calls:
+            for qs, ks, _, wk in calls:
                 for q, k in zip(qs, ks):
                     q.copy_(torch.randn(q.shape, device="cuda", generator=g) * 4)
                     k.copy_(torch.randn(k.shape, device="cuda", generator=g) * 4)
+                _replicate(ks, wk, R)
             graph.replay()
             torch.cuda.synchronize()
             for i, (qs, ks, wq, wk) in enumerate(calls):
-                want = fused_qk_rmsnorm_reference(qs, ks, wq, wk, 1e-6)
+                want = fused_qk_rmsnorm_reference(qs, ks, wq, wk, 1e-6, kv_replicas=R)
                 for r in range(W):
                     check.that(_same(outs[i][r][0], want[r][0]) and _same(outs[i][r][1], want[r][1]),
                                f"replay {rep}, call {i}, rank {r}: outputs differ from the reference")

@@ -6,9 +6,15 @@ columns ``[r * Nq / W, (r + 1) * Nq / W)`` (its heads)::
     q_out = rms_norm(q_full, w_q, eps)[:, this rank's columns]     # mean of squares over all Nq columns
     k_out = rms_norm(k_full, w_k, eps)[:, this rank's columns]
 
+With ``kv_replicas = R`` (more ranks than key-value heads), the ranks ``g * R .. g * R + R - 1`` hold the same
+``k`` columns, ``[g * Nk * R / W, (g + 1) * Nk * R / W)``, and the mean of squares of ``k`` counts each
+distinct column once.
+
 Numerics contract (docs/numerics.md, "Full-width QK norm"): each rank's float32 sums of squares of its
 columns (the fused norm's order), summed over the ranks in rank order in float32 from +0.0, so every rank
-scales a token by the same bits; then the fused norm's item 3 over the full width. The kernel
+scales a token by the same bits; then the fused norm's item 3 over the full width. With replicated ``k``
+only the first rank of each replica group adds its k sum (the others add +0.0, which changes no bit of a
+sum that is never negative): the same bits as the call on a group without replication. The kernel
 (``tpcomm/kernels/qk_norm.py``) and the fallback below give the same bits.
 
 The host path, top to bottom: check the arguments -> make or check the outputs -> plan (the kernel, or the
@@ -36,17 +42,19 @@ OP = "fused_qk_rmsnorm"
 
 def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      eps: float = 1e-6, *, q_out: torch.Tensor | None = None,
-                     k_out: torch.Tensor | None = None, key=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_out: torch.Tensor | None = None, kv_replicas: int = 1,
+                     key=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``q`` and ``k`` over their full width (every rank's columns), on communicator ``comm``.
 
-    Collective: every rank calls it with the same ``T``, widths, dtype and ``eps`` (a peer with another
-    width, token count, dtype or ``eps`` is detected: :class:`~tpcomm.PeerMismatchError`).
+    Collective: every rank calls it with the same ``T``, widths, dtype, ``eps`` and ``kv_replicas`` (a peer
+    with another width, token count, dtype, ``eps`` or ``kv_replicas`` is detected:
+    :class:`~tpcomm.PeerMismatchError`).
 
     Args:
         q: ``(T, Hq)``, this rank's ``Hq = Nq / W`` columns (its heads, ``num_heads / W * head_dim``), bf16 /
             fp16 / fp32, this device. Rows may be strided (a column view of a packed QKV projection
             output is read in place); a column stride other than 1 is copied first.
-        k: ``(T, Hk)``, this rank's ``Nk / W`` columns, ``q``'s dtype, the same ``T``.
+        k: ``(T, Hk)``, this rank's ``Nk * kv_replicas / W`` columns, ``q``'s dtype, the same ``T``.
         q_weight, k_weight: ``(Hq,)`` and ``(Hk,)``, this rank's slices of the full-width norm weights, of
             the input's dtype or float32 (used as ``f32(w)``).
         eps: >= 0, finite in float32, added to the mean square.
@@ -54,37 +62,45 @@ def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
             dtype, unit column stride (rows may be strided). ``q_out`` may be ``q`` itself and ``k_out``
             ``k`` itself (in place); otherwise an output shares no memory with an input or the other
             output.
+        kv_replicas: ``R``, a divisor of the world size ``W`` (an int >= 1): each group of ``R``
+            consecutive ranks holds the same ``k`` columns (a model with fewer key-value heads than
+            ranks replicates each head on ``R = W / num_key_value_heads`` ranks). The k norm's width is
+            ``N = W / R * Hk``; the first rank of each group contributes its sum of squares, so the
+            others' ``k`` must be the same values (their own columns are normalised with that total).
+            1 (the default): every rank holds its own columns.
     Returns:
         ``(q_out, k_out)``: ``T((f32(x) * inv) * f32(w))`` with ``inv = 1 / sqrt(S / N + eps)``, ``S`` the
-        row's sum of squares over the ``N = W * H`` columns of every rank (docs/numerics.md, "Full-width
-        QK norm": the same ``inv`` bits on every rank; 16-bit outputs take the weight first where ``inv``
-        is finite and non-zero). Safe in CUDA graphs. One launch per call (more above
-        ``lamport_slot_bytes / 8`` tokens). No tokens, or no columns in ``q`` and ``k`` (``H = 0``): empty
-        outputs, no communication (as the fused norm); one of them without columns: its output is empty and
-        the other is normalised through the unfused path.
+        row's sum of squares over the ``N = W * H`` columns of every rank (``W / kv_replicas * Hk`` distinct
+        columns for ``k``; docs/numerics.md, "Full-width QK norm": the same ``inv`` bits on every rank,
+        and with ``kv_replicas`` the same bits as a group without replication; 16-bit outputs take the
+        weight first where ``inv`` is finite and non-zero). Safe in CUDA graphs. One launch per call (more
+        above ``lamport_slot_bytes / 8`` tokens). No tokens, or no columns in ``q`` and ``k`` (``H = 0``):
+        empty outputs, no communication (as the fused norm); one of them without columns: its output is
+        empty and the other is normalised through the unfused path.
     Raises:
         TypeError: a tensor argument is not a tensor; ``q`` is not bf16 / fp16 / fp32; ``k`` or an output
             has another dtype than ``q``; a weight is neither its input's dtype nor float32; ``eps`` is not
-            a real number.
-        ValueError: ``q`` or ``k`` is not 2-D; ``k`` has another ``T`` than ``q``; a
-            weight's shape is not its input's width; ``eps`` is negative or not finite in float32; a
-            tensor is on another device; an output has the wrong shape, a column stride other than 1,
-            or overlaps an input or the other output.
-        PeerMismatchError, PeerTimeoutError: a peer made another call (another width included) or did
-            not arrive within the timeout (this or an earlier call).
+            a real number; ``kv_replicas`` is not an int.
+        ValueError: ``q`` or ``k`` is not 2-D; ``k`` has another ``T`` than ``q``; a weight's shape is not
+            its input's width; ``eps`` is negative or not finite in float32; ``kv_replicas`` is < 1 or does
+            not divide the world size; a tensor is on another device; an output has the wrong shape, a
+            column stride other than 1, or overlaps an input or the other output.
+        PeerMismatchError, PeerTimeoutError: a peer made another call (another width or ``kv_replicas``
+            included) or did not arrive within the timeout (this or an earlier call).
     """
     comm._check_open(OP)
     given = (q_out is not None, k_out is not None)
     eps = _check_inputs(q, k, q_weight, k_weight, eps, comm.device)
+    kv_replicas = check_replicas(kv_replicas, comm.world_size)
     q, k = _readable(q), _readable(k)
     q_weight, k_weight = q_weight.resolve_neg().contiguous(), k_weight.resolve_neg().contiguous()
     q_out, k_out = _outputs(q, k, q_weight, k_weight, q_out, k_out, comm.device)
     if q.shape[0] == 0 or q.shape[1] == k.shape[1] == 0:  # nothing to normalise: no communication
         return q_out, k_out
     if _plan(comm, q, k) == "fallback" or 0 in (q.shape[1], k.shape[1]):  # one side empty: the unfused path
-        _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out)
+        _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out, kv_replicas)
     else:
-        _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given, key)
+        _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given, key, kv_replicas)
     return q_out, k_out
 
 
@@ -114,6 +130,17 @@ def _check_inputs(q, k, q_weight, k_weight, eps, device: torch.device) -> float:
     if not 0.0 <= eps <= FLOAT32_MAX:  # the kernel adds it in float32
         raise ValueError(f"{OP}: eps must be >= 0 and finite in float32 (<= {FLOAT32_MAX:.4g}), got {eps}")
     return eps
+
+
+def check_replicas(kv_replicas, world_size: int) -> int:
+    """The Raises section's ``kv_replicas`` checks: an int (not a bool) >= 1 that divides ``world_size``;
+    returns it as a Python int (one signature for every integer type)."""
+    if isinstance(kv_replicas, (bool, np.bool_)) or not isinstance(kv_replicas, numbers.Integral):
+        raise TypeError(f"{OP}: kv_replicas must be an int, got {type(kv_replicas).__name__}")
+    if kv_replicas < 1 or world_size % kv_replicas:
+        raise ValueError(f"{OP}: kv_replicas must be a divisor of the world size {world_size} (the ranks of a "
+                         f"group holding the same k columns), got {kv_replicas}")
+    return int(kv_replicas)
 
 
 def _readable(x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +220,8 @@ def _plan(comm, q: torch.Tensor, k: torch.Tensor) -> str:
 
 
 # -- 4. launch ---------------------------------------------------------------------------------------------
-def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given=(False, False), key=None) -> None:
+def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given=(False, False), key=None,
+            kv_replicas: int = 1) -> None:
     """The kernel over every row, in launches of what one Lamport slot holds (8 bytes a row); a call of one
     launch on the caller's own tensors is recorded under ``key`` (:mod:`tpcomm.call_cache`)."""
     ws = comm.workspace
@@ -205,10 +233,10 @@ def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given=(False, Fal
     for r0 in range(0, T, per_launch):
         r1 = min(T, r0 + per_launch)
         rows = rows_per_block(r1 - r0, ws.max_programs, interpreter_enabled())
-        sig = comm._sign(OP, str(q.dtype), T, r0, r1, Hq, Hk, eps)
+        sig = comm._sign(OP, str(q.dtype), T, r0, r1, Hq, Hk, eps, kv_replicas)
         piece = (lambda t: t) if r0 == 0 and r1 == T else (lambda t: t[r0:r1])
         launches.append(qk_norm_call(piece(q), piece(k), q_weight, k_weight, piece(q_out), piece(k_out), ws, eps,
-                                     sig, in_place, cfg_q, cfg_k, rows))
+                                     sig, in_place, cfg_q, cfg_k, rows, kv_replicas))
     launched = [] if key is not None and len(launches) == 1 else None
     comm._run(OP, launches, record=launched)
     if launched:
@@ -217,23 +245,28 @@ def _launch(comm, q, k, q_weight, k_weight, eps, q_out, k_out, given=(False, Fal
 
 
 # -- 5. fallback -------------------------------------------------------------------------------------------
-def _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out) -> None:
+def _fallback(comm, q, k, q_weight, k_weight, eps, q_out, k_out, kv_replicas: int = 1) -> None:
     """The unfused path: first, on a communicator with kernels, one launch signed with this call, so a
-    peer making another call (another width included) fails on every rank instead of pairing its
+    peer making another call (another width or ``kv_replicas`` included) fails on every rank instead of pairing its
     collective with this one; then :func:`unfused_qk_rmsnorm`."""
-    comm._before_fallback(OP, (str(q.dtype), q.shape[0], q.shape[1], k.shape[1], eps))
-    qo, ko = unfused_qk_rmsnorm(comm, q, k, q_weight, k_weight, eps)
+    comm._before_fallback(OP, (str(q.dtype), q.shape[0], q.shape[1], k.shape[1], eps, kv_replicas))
+    qo, ko = unfused_qk_rmsnorm(comm, q, k, q_weight, k_weight, eps, kv_replicas)
     with HOST_WRITES():  # as the other ops' fallbacks write
         q_out.copy_(qo)
         k_out.copy_(ko)
 
 
-def unfused_qk_rmsnorm(comm, q, k, q_weight, k_weight, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def unfused_qk_rmsnorm(comm, q, k, q_weight, k_weight, eps: float = 1e-6,
+                       kv_replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The op without its kernel, on checked arguments: the ``(T, 2)`` float32 partial sums
-    (:func:`~tpcomm.reference.qk_partial_sums_reference`), ``comm.all_reduce`` of them (rank order,
-    float32 from +0.0), then the two norms in torch (the kernel's operations): the same bits as the kernel.
-    Collective. Returns new ``(q_out, k_out)``."""
+    (:func:`~tpcomm.reference.qk_partial_sums_reference`; +0.0 for k on a rank that is not the first of
+    its ``kv_replicas`` group), ``comm.all_reduce`` of them (rank order, float32 from +0.0), then the two
+    norms in torch (the kernel's operations): the same bits as the kernel. Collective. Returns new
+    ``(q_out, k_out)``."""
     W = comm.world_size
-    total = comm.all_reduce(qk_partial_sums_reference(q, k))
+    sums = qk_partial_sums_reference(q, k)
+    if comm.rank % kv_replicas:
+        sums[:, 1] = 0.0
+    total = comm.all_reduce(sums)
     return (rms_norm_from_total_reference(q, q_weight, total[:, :1], W * q.shape[1], eps),
-            rms_norm_from_total_reference(k, k_weight, total[:, 1:], W * k.shape[1], eps))
+            rms_norm_from_total_reference(k, k_weight, total[:, 1:], W // kv_replicas * k.shape[1], eps))

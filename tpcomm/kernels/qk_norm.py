@@ -16,6 +16,13 @@ peer's words of those rows have landed, sums the ranks' partial sums in rank ord
 normalises its rows of ``q`` and ``k`` (read again) with the fused norm's operations and order
 (``epilogue.rms_inverse``, ``epilogue.weight_first``) over the full widths ``W * Nq / W`` and ``W * Nk / W``.
 
+Replicated k (``kv_replicas = R > 1``, more ranks than key-value heads): ranks ``g * R .. g * R + R - 1``
+hold the same ``k`` columns, so the full k width is ``W / R`` shards. Only the first rank of each group
+stores its k sum; the others store +0.0, and the width is ``HK * W / R``. Adding +0.0 to a float32 sum that
+is never negative (+0.0, positive, +Inf or NaN) leaves its bits as they are (IEEE 754, round to nearest), so
+the rank-order total is the one over the ``W / R`` distinct shards, the same bits as a group without
+replication (docs/numerics.md, "Full-width QK norm"). The words stay never negative, so never the sentinel.
+
 Sync protocol: Lamport, the data is its own flag. The Lamport buffers are armed with the word
 0x80008000 (two 16-bit sentinels, ``spin.SENTINEL_WORD``), which as a float32 is a negative subnormal; a
 sum of squares is +0.0, positive, +Inf or NaN (exponent all ones), never negative, so no pushed word has
@@ -115,10 +122,10 @@ def _norm_rows(x_ptr, x_stride, w_ptr, o_ptr, o_stride, rows, row_mask, H, total
         tl.store(o_ptr + r * o_stride + c[None, :], round_to(y, DTYPE), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (tpcomm.loopback)
+@triton.jit(do_not_specialize=["rank", "kv_replicas"])  # one binary for every rank (tpcomm.loopback)
 def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr, state_ptr, err_ptr,
                     n_rows, HQ, HK, q_stride, k_stride, qo_stride, ko_stride, slot_stride, parity_stride,
-                    eps, timeout, rank, signature, tag_off, max_programs, abort_off,
+                    eps, timeout, rank, signature, tag_off, max_programs, abort_off, kv_replicas,
                     WORLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, TILES_Q: tl.constexpr,
                     BLOCK_K: tl.constexpr, TILES_K: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -139,6 +146,7 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr,
         row_mask = rows < n_rows
         sq = _squares(q_ptr, q_stride, rows, row_mask, HQ, ROWS, BLOCK_Q, TILES_Q)
         sk = _squares(k_ptr, k_stride, rows, row_mask, HK, ROWS, BLOCK_K, TILES_K)
+        sk = tl.where(rank % kv_replicas == 0, sk, 0.0)  # a replica of k columns adds +0.0 (module docstring)
         words = tl.reshape(tl.join(sq, sk), [2 * ROWS]).to(tl.int32, bitcast=True)
         dst = par * parity_stride + rank * slot_stride + b * (2 * ROWS) + lanes
         wmask = b * ROWS + lanes // 2 < n_rows
@@ -180,8 +188,8 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr,
         total_q, total_k = tl.split(tl.reshape(acc, [ROWS, 2]))
         _norm_rows(q_ptr, q_stride, wq_ptr, qo_ptr, qo_stride, rows, row_mask, HQ, total_q, HQ * WORLD, eps,
                    ROWS, BLOCK_Q, TILES_Q, IN_PLACE)
-        _norm_rows(k_ptr, k_stride, wk_ptr, ko_ptr, ko_stride, rows, row_mask, HK, total_k, HK * WORLD, eps,
-                   ROWS, BLOCK_K, TILES_K, IN_PLACE)
+        _norm_rows(k_ptr, k_stride, wk_ptr, ko_ptr, ko_stride, rows, row_mask, HK, total_k,
+                   HK * (WORLD // kv_replicas), eps, ROWS, BLOCK_K, TILES_K, IN_PLACE)
 
     finish_program(state_ptr, epoch, ticket, num_programs)
 
@@ -197,13 +205,14 @@ def rows_per_block(n_rows: int, max_programs: int, interpreted: bool) -> int:
 
 
 def qk_norm_call(q, k, q_weight, k_weight, q_out, k_out, ws, eps: float, signature: int, in_place: bool,
-                 cfg_q, cfg_k, rows: int) -> KernelCall:
+                 cfg_q, cfg_k, rows: int, kv_replicas: int = 1) -> KernelCall:
     """The launch of the QK-norm kernel on every row of ``q`` ``(n, Hq)`` and ``k`` ``(n, Hk)`` (unit column
     stride, any row stride), writing ``q_out`` and ``k_out`` (the same shapes, unit column stride).
 
     ``ws``: the :class:`~tpcomm.workspace.Workspace`; ``n`` rows must fit one Lamport slot
     (``lamport_slot_bytes // 8``). ``cfg_q``, ``cfg_k``: :func:`tpcomm.dispatch.row_config` of each width;
-    ``rows``: :func:`rows_per_block`. ``in_place``: the outputs are the inputs themselves.
+    ``rows``: :func:`rows_per_block`. ``in_place``: the outputs are the inputs themselves. ``kv_replicas``:
+    the ranks of a group holding the same ``k`` columns (a divisor of the world size, checked by the caller).
     """
     n_rows = q.shape[0]
     if n_rows < 1:  # a program without rows would send its call tags and wait for none
@@ -215,6 +224,7 @@ def qk_norm_call(q, k, q_weight, k_weight, q_out, k_out, ws, eps: float, signatu
         n_rows, q.shape[1], k.shape[1], q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0),
         slot, ws.world_size * slot,
         eps, ws.timeout, ws.rank, signature, ws.tag_offset(), ws.max_programs, ws.abort_offset("lamport"),
+        kv_replicas,
     ), dict(
         WORLD=ws.world_size, ROWS=rows, BLOCK_Q=cfg_q.block_h, TILES_Q=cfg_q.num_tiles, BLOCK_K=cfg_k.block_h,
         TILES_K=cfg_k.num_tiles, IN_PLACE=in_place, num_warps=max(cfg_q.num_warps, cfg_k.num_warps),

@@ -18,7 +18,8 @@ Ops (namespace ``tpcomm``; ``handle`` is an ``int`` from :func:`register`, see b
                                               out?, scale?, swizzled_scales) -> ()
         # out given: emit_unquantized; scales None with fp8_static
     torch.ops.tpcomm.all_gather(handle, x, dim, rank, world_size) -> Tensor        # dim grows W times
-    torch.ops.tpcomm.fused_qk_rmsnorm(handle, q, k, q_weight, k_weight, eps) -> Tensor[]  # [q_out, k_out]
+    torch.ops.tpcomm.fused_qk_rmsnorm(handle, q, k, q_weight, k_weight, eps, kv_replicas=1) -> Tensor[]
+        # [q_out, k_out]
     torch.ops.tpcomm.reduce_scatter(handle, x, dim, rank, world_size) -> Tensor    # this rank's share
     torch.ops.tpcomm.moe_finalize(expert_out, topk_weights, index?, shared_out?, scaling) -> Tensor
     torch.ops.tpcomm.fused_moe_finalize_add_rmsnorm(handle, expert_out, topk_weights, index?, shared_out?,

@@ -144,16 +144,17 @@ def _(handle, x, residual, weight, eps, gemma, quant, fp8_dtype, group_size, col
 
 
 @torch.library.custom_op("tpcomm::fused_qk_rmsnorm", mutates_args=(),
-                         schema="(int handle, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps) "
-                                "-> Tensor[]")
-def _fused_qk_rmsnorm_op(handle, q, k, q_weight, k_weight, eps) -> list[torch.Tensor]:
-    comm = lookup(handle)  # the row strides go into the kernel's specialisation (packed QKV views)
+                         schema="(int handle, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, "
+                                "int kv_replicas=1) -> Tensor[]")
+def _fused_qk_rmsnorm_op(handle, q, k, q_weight, k_weight, eps, kv_replicas=1) -> list[torch.Tensor]:
+    comm = lookup(handle)  # the row strides go into the kernel's specialisation (packed QKV views); the
+    # kernel takes kv_replicas unspecialised, so a warmed call of any kv_replicas covers the others
     capture.before_call(comm, signature("fused_qk_rmsnorm", q, k, q_weight, k_weight) + (q.stride(), k.stride()))
-    return list(comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps))
+    return list(comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps, kv_replicas=kv_replicas))
 
 
 @_fused_qk_rmsnorm_op.register_fake
-def _(handle, q, k, q_weight, k_weight, eps):
+def _(handle, q, k, q_weight, k_weight, eps, kv_replicas=1):
     return [q.new_empty(q.shape), k.new_empty(k.shape)]
 
 
@@ -405,16 +406,17 @@ def reduce_scatter(comm, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 def fused_qk_rmsnorm(comm, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """``comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps)`` through the op ``tpcomm::fused_qk_rmsnorm``:
-    RMSNorm of this rank's ``q`` ``(T, Nq / W)`` and ``k`` ``(T, Nk / W)`` columns over their full width,
-    the method's bits; new contiguous outputs.
+                     eps: float = 1e-6, *, kv_replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``comm.fused_qk_rmsnorm(q, k, q_weight, k_weight, eps, kv_replicas=kv_replicas)`` through the op
+    ``tpcomm::fused_qk_rmsnorm``: RMSNorm of this rank's ``q`` ``(T, Nq / W)`` and ``k``
+    ``(T, Nk * kv_replicas / W)`` columns over their full width (``k``'s distinct columns counted once
+    where groups of ``kv_replicas`` ranks hold the same ones), the method's bits; new contiguous outputs.
 
-    Collective: every rank calls it with the same ``T``, widths, dtype and ``eps``.
+    Collective: every rank calls it with the same ``T``, widths, dtype, ``eps`` and ``kv_replicas``.
 
     Raises:
         TypeError, ValueError, PeerTimeoutError: as :meth:`tpcomm.Communicator.fused_qk_rmsnorm`.
         LookupError: an unknown handle.
     """
-    q_out, k_out = torch.ops.tpcomm.fused_qk_rmsnorm(handle_of(comm), q, k, q_weight, k_weight, eps)
+    q_out, k_out = torch.ops.tpcomm.fused_qk_rmsnorm(handle_of(comm), q, k, q_weight, k_weight, eps, kv_replicas)
     return q_out, k_out
