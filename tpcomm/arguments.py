@@ -212,6 +212,14 @@ def build_parser(version: str) -> argparse.ArgumentParser:
                    help="with --model: one dtype (default both)")
     d.add_argument("--steps", type=positive_int, default=None,
                    help="with --model: greedy decode steps (default 8)")
+    d.add_argument("--heads", type=positive_int, default=None,
+                   help="with --model: query heads of 128 (default 4 per CPU rank, 16 on GPUs)")
+    d.add_argument("--kv-heads", type=positive_int, default=None,
+                   help="with --model: key-value heads (default half the query heads); MiniMax-M2 takes fewer "
+                        "than the ranks, each then replicated on world / kv-heads ranks")
+    d.add_argument("--speculative", type=positive_int, default=None, metavar="K",
+                   help="with --model minimax_m2: speculative decoding, an Eagle-style draft head proposing K "
+                        "tokens a step, verified by the target")
 
     b = sub.add_parser("bench", help="time tpcomm against NCCL, torch symmetric memory and FlashInfer "
                                      "(GPU only)",

@@ -148,6 +148,36 @@ def test_demo_refuses_quick_with_model(model, capsys):
     assert "--quick applies without --model only" in err and "--steps" in err, err
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["demo", "--speculative", "3"], "apply with --model only"),
+    (["demo", "--kv-heads", "2"], "apply with --model only"),
+    (["demo", "--model", "llama", "--speculative", "3"], "--speculative applies with --model minimax_m2 only"),
+])
+def test_demo_model_options_need_their_model(argv, words, capsys):
+    """The model demo's head and speculative options are usage errors where they do not apply."""
+    from tpcomm.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err, err
+
+
+@pytest.mark.parametrize("model,options,words", [
+    ("minimax_m2", ["--heads", "6", "--kv-heads", "3"], "--kv-heads 3 is not divisible by the world size 2 nor"),
+    ("llama", ["--kv-heads", "1"], "--kv-heads 1 is not divisible by the world size 2"),
+    ("minimax_m2", ["--heads", "6", "--kv-heads", "4"], "--heads 6 is not divisible by --kv-heads 4"),
+])
+def test_demo_refuses_heads_it_cannot_shard(model, options, words, capsys):
+    """Heads the sharding cannot split are refused before any rank starts (exit 2, naming the option);
+    MiniMax-M2 takes fewer key-value heads than ranks where they divide the world size."""
+    pytest.importorskip("transformers")
+    from tpcomm.cli import main
+
+    assert main(["demo", "--model", model, "--world", "2", "--device", "cpu", *options]) == 2
+    out = capsys.readouterr().out
+    assert words in out, out
+
+
 def test_version_matches_the_changelog_and_the_package_metadata():
     """``tpcomm --version``, the changelog's latest release and pyproject's version are one number."""
     import re

@@ -123,17 +123,27 @@ def pool_soak(ctx, cfg_kwargs: dict, fault: tuple | None = None) -> dict:
     return soak.soak_rank(ctx.rank, ctx.world_size, cfg, make_comms=make)
 
 
-def small(model: str, world: int, dtype: str = "float32", steps: int = 3) -> demo.ModelDemoConfig:
+def small(model: str, world: int, dtype: str = "float32", steps: int = 3,
+          kv_heads: int | None = None) -> demo.ModelDemoConfig:
     """A small model of ``model``'s kind whose heads and MLP divide by ``world``: two layers of 64-wide
-    heads (``2 W`` of them, ``W`` key-value heads)."""
+    heads (``2 W`` of them, ``W`` key-value heads unless ``kv_heads`` says otherwise)."""
     heads = 2 * world
     return replace(demo.ModelDemoConfig(model=model, dtype=dtype, steps=steps), layers=2, heads=heads,
-                   kv_heads=world, hidden=64 * heads, intermediate=96 * world, vocab=256, prompt=5)
+                   kv_heads=kv_heads or world, hidden=64 * heads, intermediate=96 * world, vocab=256, prompt=5)
 
 
-def sharded_case(ctx, model: str, dtype: str) -> dict:
+def sharded_case(ctx, model: str, dtype: str, kv_heads: int | None = None, layers: int = 2, steps: int = 3) -> dict:
     """Greedy decoding with the shard against the unsharded model: ``demo.run_rank``'s report."""
-    return demo.run_rank(ctx.rank, ctx.world_size, small(model, ctx.world_size, dtype))
+    cfg = replace(small(model, ctx.world_size, dtype, steps=steps, kv_heads=kv_heads), layers=layers)
+    return demo.run_rank(ctx.rank, ctx.world_size, cfg)
+
+
+def speculative_case(ctx, k: int, steps: int, layers: int = 2, kv_heads: int | None = None) -> dict:
+    """Speculative decoding of the sharded MiniMax-M2 with its draft: ``speculative_demo.run_rank``'s report."""
+    from tpcomm.models import speculative_demo
+
+    cfg = replace(small("minimax_m2", ctx.world_size, steps=steps, kv_heads=kv_heads), layers=layers)
+    return speculative_demo.run_rank(ctx.rank, ctx.world_size, cfg, k)
 
 
 def prefill_logits_case(ctx, model: str) -> dict:
@@ -169,6 +179,8 @@ def refused_case(ctx, what: str):
         cfg = replace(cfg, intermediate=96 * ctx.world_size + 1)
     elif what == "minimax_experts":  # the experts' intermediate size is half the config's (make_model)
         cfg = replace(cfg, intermediate=96 * ctx.world_size + 2)
+    elif what == "minimax_kv_heads":  # 3: neither divisible by 2 ranks nor dividing 2
+        cfg = replace(cfg, heads=6 * ctx.world_size, kv_heads=3, hidden=64 * 6 * ctx.world_size)
     m = demo.make_model(cfg)
     with tpcomm.Communicator() as comm:
         return raised(lambda: shard(m, comm))

@@ -36,6 +36,26 @@ def test_sharded_decoding_equals_the_unsharded_model(pools, model, world):
     check.done()
 
 
+@pytest.mark.parametrize("world,kv_heads,layers", [(4, 2, 1), (8, 4, 1)])
+def test_minimax_with_more_ranks_than_kv_heads(pools, world, kv_heads, layers):
+    """MiniMax-M2 with W / kv_heads ranks holding each key-value head (its k_proj, v_proj rows and k_norm
+    slice replicated, the QK norm told kv_replicas): float32 tokens equal the unsharded model's, logits
+    within float32 rounding, the same tokens on every rank, the same fused calls a layer as without
+    replication. One layer; 8 ranks two steps (the interpreter's time; tests/tools/test_speculative.py
+    decodes 4 ranks with 2 key-value heads and two layers)."""
+    check = Checks()
+    expected = [(layer, LAYER_CALLS["minimax_m2"]) for layer in range(layers)]
+    steps = 3 if world < 8 else 2
+    for r, res in enumerate(pools.get(world).run(ranks.sharded_case, "minimax_m2", "float32", kv_heads, layers,
+                                                 steps)):
+        check.that(res["kernels"] and res["same_on_ranks"], f"rank {r}: fell back or tokens differ between ranks")
+        check.that(res["tokens"] == res["ref_tokens"], f"rank {r}: tokens {res['tokens']} != {res['ref_tokens']}")
+        check.that(res["logit_error"] <= 1e-4 * max(1.0, res["logit_scale"]),
+                   f"rank {r}: logits off by {res['logit_error']:.3g} (of {res['logit_scale']:.3g})")
+        check.that(res["calls"] == expected, f"rank {r}: calls {res['calls']}, expected {expected}")
+    check.done()
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma"])
 def test_bf16_tokens_are_the_same_on_every_rank(pool2, model):
     for r, res in enumerate(pool2.run(ranks.sharded_case, model, "bfloat16")):
@@ -50,7 +70,8 @@ def test_one_forward_pass_matches_and_leaves_the_model_whole(pool2, model):
 
 
 @pytest.mark.parametrize("what,word", [("heads", "num_attention_heads"), ("intermediate", "intermediate_size"),
-                                       ("minimax_experts", "intermediate_size")])
+                                       ("minimax_experts", "intermediate_size"),
+                                       ("minimax_kv_heads", "num_key_value_heads = 3")])
 def test_a_model_that_does_not_divide_is_refused(pool2, what, word):
     for r, res in enumerate(pool2.run(ranks.refused_case, what)):
         assert res is not None and res[0] == "ShardingError" and word in res[1], f"rank {r}: {res}"

@@ -55,17 +55,33 @@ class ModelDemoConfig:
     seed: int = 0
 
 
-def sized(cfg: ModelDemoConfig, world_size: int) -> ModelDemoConfig:
+def sized(cfg: ModelDemoConfig, world_size: int, heads: int | None = None,
+          kv_heads: int | None = None) -> ModelDemoConfig:
     """``cfg`` with heads, key-value heads and intermediate size that divide by ``world_size``: 128-wide
-    heads, ``4 W`` of them on CPU ranks (hidden 1024 at 2 ranks, 1536 at 3) and 16 on GPUs (hidden 2048),
-    half as many key-value heads, an intermediate size of about 2.75 x hidden."""
+    heads, ``heads`` of them (default ``4 W`` on CPU ranks, hidden 1024 at 2 ranks, 1536 at 3, and 16 on
+    GPUs, hidden 2048), ``kv_heads`` key-value heads (default half as many), an intermediate size of
+    about 2.75 x hidden. :func:`heads_problem` says whether the heads can be sharded."""
     from dataclasses import replace
 
-    heads = 16 if cfg.device == "cuda" and 16 % world_size == 0 else 4 * world_size
+    heads = heads or (16 if cfg.device == "cuda" and 16 % world_size == 0 else 4 * world_size)
     hidden = 128 * heads
     step = 64 * world_size
-    return replace(cfg, heads=heads, kv_heads=heads // 2, hidden=hidden,
+    return replace(cfg, heads=heads, kv_heads=kv_heads or heads // 2, hidden=hidden,
                    intermediate=-(-(11 * hidden // 4) // step) * step)
+
+
+def heads_problem(cfg: ModelDemoConfig, world_size: int) -> str | None:
+    """Why ``cfg``'s heads cannot be sharded over ``world_size`` ranks, or None: the query heads must
+    divide by the world size and by the key-value heads; the key-value heads must divide by the world
+    size, or (MiniMax-M2, whose key-value heads are then replicated) divide it."""
+    if cfg.heads % world_size:
+        return f"--heads {cfg.heads} is not divisible by the world size {world_size}"
+    if cfg.heads % cfg.kv_heads:
+        return f"--heads {cfg.heads} is not divisible by --kv-heads {cfg.kv_heads}"
+    if cfg.kv_heads % world_size and (cfg.model != "minimax_m2" or world_size % cfg.kv_heads):
+        also = " nor a divisor of it (MiniMax-M2 replicates key-value heads)" if cfg.model == "minimax_m2" else ""
+        return f"--kv-heads {cfg.kv_heads} is not divisible by the world size {world_size}{also}"
+    return None
 
 
 def sliding_window(cfg: ModelDemoConfig) -> int:
@@ -355,8 +371,10 @@ def verdict(cfg: ModelDemoConfig, per_rank: list[dict]) -> tuple[bool, list[str]
 
 
 def main(model: str = "llama", device: str | None = None, world_size: int | None = None, dtype: str | None = None,
-         steps: int = 8) -> int:
-    """Run it and print the table; 0 when it passed, 1 on a mismatch, 2 when it cannot run here."""
+         steps: int = 8, heads: int | None = None, kv_heads: int | None = None, speculative: int = 0) -> int:
+    """Run it and print the table; 0 when it passed, 1 on a mismatch, 2 when it cannot run here.
+    ``heads``, ``kv_heads``: the model's query and key-value heads (:func:`sized`); ``speculative``: ``K``
+    > 0 runs speculative decoding instead (MiniMax-M2, :mod:`tpcomm.models.speculative_demo`)."""
     from tabulate import tabulate
 
     from ..launch import RankFailure, default_device, launch
@@ -373,9 +391,18 @@ def main(model: str = "llama", device: str | None = None, world_size: int | None
         return 2
     loopback = device == "cuda" and gpus == 1  # one GPU: loopback ranks (run_loopback)
     world_size = world_size or (gpus if device == "cuda" and not loopback else 2)
+    problem = heads_problem(sized(ModelDemoConfig(model=model, device=device), world_size, heads, kv_heads),
+                            world_size)
+    if problem:
+        print(f"tpcomm demo --model {model}: {problem}")
+        return 2
+    if speculative:
+        from . import speculative_demo
+
+        return speculative_demo.main(model, device, world_size, dtype, steps, heads, kv_heads, speculative, loopback)
     results = []
     for dt in ((dtype,) if dtype else ("float32", "bfloat16")):
-        cfg = sized(ModelDemoConfig(model=model, device=device, dtype=dt, steps=steps), world_size)
+        cfg = sized(ModelDemoConfig(model=model, device=device, dtype=dt, steps=steps), world_size, heads, kv_heads)
         kind = "loopback ranks on one GPU" if loopback else f"{device} ranks"
         print(f"tpcomm demo --model {model}: {world_size} {kind}, {cfg.layers} layers, hidden {cfg.hidden}, "
               f"{cfg.heads} heads ({cfg.kv_heads} KV), vocab {cfg.vocab}, {dt}, prompt {cfg.prompt}, "

@@ -7,7 +7,12 @@ mean of squares needs a sum over the ranks. :func:`shard`, per decoder layer:
 
 * attention heads split over the ranks (``q_proj``, ``k_proj``, ``v_proj`` by output rows; ``q_norm`` and
   ``k_norm`` weights by the same columns; ``o_proj`` by input columns), the two norms one
-  ``comm.fused_qk_rmsnorm`` (:func:`_attention_forward`);
+  ``comm.fused_qk_rmsnorm`` (:func:`_attention_forward`). With more ranks than key-value heads
+  (``W = R * num_key_value_heads``), as the serving engines shard it, each key-value head, its ``k_proj``
+  and ``v_proj`` rows and its ``k_norm`` weight slice are replicated on ``R`` consecutive ranks (rank
+  ``r`` holds head ``r // R``, which every query head of rank ``r`` uses), and the QK norm is told so
+  (``kv_replicas=R``): the k mean of squares counts each distinct column once, the bits of the
+  unreplicated norm;
 * ``o_proj``'s partial sums, the residual add and ``post_attention_layernorm`` one
   ``comm.fused_add_rmsnorm`` (as :mod:`tpcomm.models.hf` does for Llama);
 * the MoE block a :class:`tpcomm.models.moe.TensorParallelSparseMoe`: every expert on every rank with its
@@ -35,19 +40,24 @@ from .sharding import FusedNorm, ShardingError, frozen_copy, norm_eps, shard_att
 MINIMAX_LIKE = ("minimax_m2",)
 
 
-def _check(model, world_size: int) -> tuple[int, int, int]:
-    """``(heads, kv_heads, head_dim)``, or ShardingError for a model this module cannot shard."""
+def _check(model, world_size: int) -> tuple[int, int, int, int]:
+    """``(heads, kv_heads, head_dim, kv_replicas)``, or ShardingError for a model this module cannot
+    shard. ``kv_replicas``: the ranks holding each key-value head (1 where ``num_key_value_heads`` divides
+    by the world size, ``W / num_key_value_heads`` where it divides the world size)."""
     cfg = model.config
     if getattr(cfg, "model_type", "") not in MINIMAX_LIKE:
         raise ShardingError(f"shard: model_type {getattr(cfg, 'model_type', '')!r} is not MiniMax-M2")
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     bad = [f"{name} = {value}" for name, value in (("num_attention_heads", heads),
-                                                   ("num_key_value_heads", kv_heads),
                                                    ("intermediate_size", cfg.intermediate_size)) if value % world_size]
     if bad:
         raise ShardingError(f"shard: {', '.join(bad)} not divisible by the world size {world_size}: attention "
                             "heads and the experts' intermediate columns are split evenly over the ranks")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ShardingError(f"shard: num_key_value_heads = {kv_heads} neither divisible by the world size "
+                            f"{world_size} nor a divisor of it: key-value heads are split evenly over the ranks, "
+                            "or each replicated on world size / num_key_value_heads ranks")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -56,17 +66,17 @@ def _check(model, world_size: int) -> tuple[int, int, int]:
         if attn.o_proj.bias is not None:
             raise ShardingError(f"shard: layer {i}'s self_attn.o_proj has a bias: a row-parallel projection's "
                                 "bias would be added once per rank")
-    return heads, kv_heads, head_dim
+    return heads, kv_heads, head_dim, max(1, world_size // kv_heads)
 
 
 def _slice_norm(norm: nn.Module, start: int, stop: int) -> None:
     norm.weight = nn.Parameter(norm.weight.detach()[start:stop].clone(), requires_grad=False)
 
 
-def _attention_forward(comm):
+def _attention_forward(comm, kv_replicas: int):
     """``MiniMaxM2Attention.forward`` of a shard: ``transformers``' own steps, with ``q_norm`` and ``k_norm``
-    in one ``comm.fused_qk_rmsnorm`` over the full width. Returns ``(partial, weights)``: ``o_proj``'s
-    partial sum of this rank's heads."""
+    in one ``comm.fused_qk_rmsnorm`` over the full width (``kv_replicas``: the ranks holding each
+    key-value head). Returns ``(partial, weights)``: ``o_proj``'s partial sum of this rank's heads."""
     from transformers.models.minimax_m2 import modeling_minimax_m2 as mm
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None,
@@ -76,7 +86,7 @@ def _attention_forward(comm):
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
         q, k = comm.fused_qk_rmsnorm(q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), self.q_norm.weight,
-                                     self.k_norm.weight, eps=norm_eps(self.q_norm))
+                                     self.k_norm.weight, eps=norm_eps(self.q_norm), kv_replicas=kv_replicas)
         query = q.view(hidden_shape).transpose(1, 2)
         key = k.view(hidden_shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -127,20 +137,23 @@ def shard(model, comm, layout: str = "token"):
     Returns:
         The shard, in eval mode, parameters without gradients.
     Raises:
-        ShardingError (a ValueError): the heads, key-value heads or the experts' intermediate size are not
-            divisible by ``W``, ``o_proj`` has a bias, or the model is not MiniMax-M2.
+        ShardingError (a ValueError): the heads or the experts' intermediate size are not divisible by
+            ``W``, the key-value heads neither divisible by ``W`` nor dividing it, ``o_proj`` has a bias,
+            or the model is not MiniMax-M2.
     """
     W, r = comm.world_size, comm.rank
-    heads, kv_heads, head_dim = _check(model, W)
+    heads, kv_heads, head_dim, replicas = _check(model, W)
     tp = frozen_copy(model)
-    q, kv = heads // W * head_dim, kv_heads // W * head_dim
+    q, kv = heads // W * head_dim, kv_heads * replicas // W * head_dim  # kv: one head a rank when replicated
+    kv_rank = r // replicas  # the key-value shard this rank holds (the engines' tp_rank // replicas)
     layers = tp.model.layers
     for layer in layers:
         attn = layer.self_attn
-        shard_attention(attn, r, q, kv)
+        shard_attention(attn, r, q, kv, kv_rank=kv_rank)
+        attn.num_key_value_groups = q // kv  # query heads per key-value head on this rank
         _slice_norm(attn.q_norm, r * q, (r + 1) * q)
-        _slice_norm(attn.k_norm, r * kv, (r + 1) * kv)
-        attn.forward = types.MethodType(_attention_forward(comm), attn)
+        _slice_norm(attn.k_norm, kv_rank * kv, (kv_rank + 1) * kv)
+        attn.forward = types.MethodType(_attention_forward(comm, replicas), attn)
         layer.mlp = TensorParallelSparseMoe(layer.mlp, comm, layout=layout)
         layer.input_layernorm = FusedNorm(layer.input_layernorm)  # each layer hands its output to the next norm
     tp.model.norm = FusedNorm(tp.model.norm)

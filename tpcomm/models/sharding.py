@@ -35,13 +35,15 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return tp
 
 
-def shard_attention(attn: nn.Module, rank: int, q_width: int, kv_width: int) -> None:
+def shard_attention(attn: nn.Module, rank: int, q_width: int, kv_width: int, kv_rank: int | None = None) -> None:
     """This rank's heads of a Hugging Face attention block: rows ``[rank * q_width, (rank + 1) * q_width)``
-    of ``q_proj`` (``kv_width`` of ``k_proj`` and ``v_proj``), the same columns of ``o_proj`` (its output
-    then a partial sum over the ranks)."""
+    of ``q_proj`` (``[kv_rank * kv_width, (kv_rank + 1) * kv_width)`` of ``k_proj`` and ``v_proj``;
+    ``kv_rank`` is ``rank`` unless key-value heads are replicated over several ranks), the same columns of
+    ``o_proj`` as of ``q_proj`` (its output then a partial sum over the ranks)."""
+    kv_rank = rank if kv_rank is None else kv_rank
     shard_rows(attn.q_proj, rank * q_width, (rank + 1) * q_width)
-    shard_rows(attn.k_proj, rank * kv_width, (rank + 1) * kv_width)
-    shard_rows(attn.v_proj, rank * kv_width, (rank + 1) * kv_width)
+    shard_rows(attn.k_proj, kv_rank * kv_width, (kv_rank + 1) * kv_width)
+    shard_rows(attn.v_proj, kv_rank * kv_width, (kv_rank + 1) * kv_width)
     shard_columns(attn.o_proj, rank * q_width, (rank + 1) * q_width)
 
 
