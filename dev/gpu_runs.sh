@@ -42,6 +42,12 @@
 #                                        # without and with tpcomm's fusion pass, step time of each at TOKENS
 #                                        # (default 1,16,64) (benchmarks/compile_decode.py; transformers and
 #                                        # accelerate from .whl-hf/; COMPILE_S, default 540)
+#   bash dev/gpu_runs.sh minimax-layer   # ONE GPU: one MiniMax-M2 decoder layer at its real shapes (hidden 3072,
+#                                        # 48 and 8 heads of 128, 256 experts top 8), TP 2, 4, 8 as loopback ranks,
+#                                        # 1-64 tokens, CUDA graphs: the fused collectives against unfused ones and
+#                                        # the local work alone (benchmarks/minimax_layer_loopback.py; LAYER_WORLDS,
+#                                        # LAYER_TOKENS; LAYER_S, default 300; KV4=1: then TP 8 with 4 key-value
+#                                        # heads, each on 2 ranks: kv_replicas)
 #
 # A tree is a copy of the package: `mkdir -p .old && git archive <commit> tpcomm | tar -x -C .old`.
 # FlashInfer without network: docs/flashinfer-offline.md. Logs go to $OUT/work (OUT defaults to ./out) and are
@@ -227,8 +233,17 @@ compile-bench)
     with_transformers timeout ${COMPILE_S:-540} python3 -m torch.distributed.run --nproc_per_node ${WORLD:-2} \
         benchmarks/compile_decode.py --tokens ${TOKENS:-1,16,64} --out $W/compile_decode.json > $W/compile_decode.log 2>&1
     echo "compile_decode rc=$?" >> $W/summary.txt; grep -E "^\||skips|Error" $W/compile_decode.log | tail -12 >> $W/summary.txt ;;
+minimax-layer)
+    timeout ${LAYER_S:-300} python3 benchmarks/minimax_layer_loopback.py --worlds ${LAYER_WORLDS:-2,4,8} \
+        --tokens ${LAYER_TOKENS:-1,4,16,64} --out $W/minimax_layer.json > $W/minimax_layer.log 2>&1
+    echo "minimax_layer rc=$?" >> $W/summary.txt; grep -E "^\||note|NOT TIMED" $W/minimax_layer.log >> $W/summary.txt
+    if [ "${KV4:-0}" = 1 ]; then
+        timeout 150 python3 benchmarks/minimax_layer_loopback.py --worlds 8 --kv-heads 4 \
+            --tokens ${LAYER_TOKENS:-1,4,16,64} --out $W/minimax_layer_kv4.json > $W/minimax_layer_kv4.log 2>&1
+        echo "minimax_layer_kv4 rc=$?" >> $W/summary.txt; grep -E "^\||note|NOT TIMED" $W/minimax_layer_kv4.log >> $W/summary.txt
+    fi ;;
 *)
-    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|every-op|model|sweep|compile-bench"
+    echo "usage: bash dev/gpu_runs.sh gpu-tests|one-gpu-tests|ab|worlds|forms|formsab|soak-bench|new-ops|every-op|model|sweep|compile-bench|minimax-layer"
     exit 2 ;;
 esac
 # What comes back from a lent machine is a few files: the tarball and the summary (a run cut short leaves $OUT/work).
