@@ -22,6 +22,7 @@ stores its k sum; the others store +0.0, and the width is ``HK * W / R``. Adding
 is never negative (+0.0, positive, +Inf or NaN) leaves its bits as they are (IEEE 754, round to nearest), so
 the rank-order total is the one over the ``W / R`` distinct shards, the same bits as a group without
 replication (docs/numerics.md, "Full-width QK norm"). The words stay never negative, so never the sentinel.
+``kv_replicas`` is part of the call's signature (the host path's), so a peer with another value mismatches.
 
 Sync protocol: Lamport, the data is its own flag. The Lamport buffers are armed with the word
 0x80008000 (two 16-bit sentinels, ``spin.SENTINEL_WORD``), which as a float32 is a negative subnormal; a
