@@ -190,7 +190,7 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, buf_table_ptr,
         _norm_rows(q_ptr, q_stride, wq_ptr, qo_ptr, qo_stride, rows, row_mask, HQ, total_q, HQ * WORLD, eps,
                    ROWS, BLOCK_Q, TILES_Q, IN_PLACE)
         _norm_rows(k_ptr, k_stride, wk_ptr, ko_ptr, ko_stride, rows, row_mask, HK, total_k,
-                   HK * (WORLD // kv_replicas), eps, ROWS, BLOCK_K, TILES_K, IN_PLACE)
+                   HK * WORLD // kv_replicas, eps, ROWS, BLOCK_K, TILES_K, IN_PLACE)
 
     finish_program(state_ptr, epoch, ticket, num_programs)
 
