@@ -40,9 +40,15 @@ def run(args) -> int:
             if args.speculative and args.model != "minimax_m2":
                 print("tpcomm demo: --speculative applies with --model minimax_m2 only", file=sys.stderr)
                 return 2
+            steps = 8 if args.steps is None else args.steps
+            if args.speculative:
+                from .models import speculative_demo
+
+                return speculative_demo.main(args.model, device=args.device, world_size=args.world,
+                                             dtype=args.dtype, steps=steps, heads=args.heads,
+                                             kv_heads=args.kv_heads, k=args.speculative)
             return model_demo.main(args.model, device=args.device, world_size=args.world, dtype=args.dtype,
-                                   steps=8 if args.steps is None else args.steps, heads=args.heads,
-                                   kv_heads=args.kv_heads, speculative=args.speculative or 0)
+                                   steps=steps, heads=args.heads, kv_heads=args.kv_heads)
         if any(v is not None for v in (args.steps, args.dtype, args.heads, args.kv_heads, args.speculative)):
             print("tpcomm demo: --steps, --dtype, --heads, --kv-heads and --speculative apply with --model only",
                   file=sys.stderr)

@@ -371,10 +371,9 @@ def verdict(cfg: ModelDemoConfig, per_rank: list[dict]) -> tuple[bool, list[str]
 
 
 def main(model: str = "llama", device: str | None = None, world_size: int | None = None, dtype: str | None = None,
-         steps: int = 8, heads: int | None = None, kv_heads: int | None = None, speculative: int = 0) -> int:
+         steps: int = 8, heads: int | None = None, kv_heads: int | None = None) -> int:
     """Run it and print the table; 0 when it passed, 1 on a mismatch, 2 when it cannot run here.
-    ``heads``, ``kv_heads``: the model's query and key-value heads (:func:`sized`); ``speculative``: ``K``
-    > 0 runs speculative decoding instead (MiniMax-M2, :mod:`tpcomm.models.speculative_demo`)."""
+    ``heads``, ``kv_heads``: the model's query and key-value heads (:func:`sized`)."""
     from tabulate import tabulate
 
     from ..launch import RankFailure, default_device, launch
@@ -396,10 +395,6 @@ def main(model: str = "llama", device: str | None = None, world_size: int | None
     if problem:
         print(f"tpcomm demo --model {model}: {problem}")
         return 2
-    if speculative:
-        from . import speculative_demo
-
-        return speculative_demo.main(model, device, world_size, dtype, steps, heads, kv_heads, speculative, loopback)
     results = []
     for dt in ((dtype,) if dtype else ("float32", "bfloat16")):
         cfg = sized(ModelDemoConfig(model=model, device=device, dtype=dt, steps=steps), world_size, heads, kv_heads)

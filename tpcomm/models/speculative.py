@@ -210,9 +210,10 @@ def speculative_greedy(target, draft: EagleDraft, prompt: torch.Tensor, steps: i
 
 
 class CallLog:
-    """``comm`` seen through a log of its calls: ``(model, op, tokens)`` per call, ``model`` the last
-    :meth:`phase` (``"draft"`` or ``"target"``), ``tokens`` the call's token count. Attributes pass
-    through, so a shard takes it in place of the communicator."""
+    """``comm`` seen through a log of its collectives: ``(model, op, tokens)`` per call whose first argument
+    is a tensor, ``model`` the last :meth:`phase` (``"draft"`` or ``"target"``), ``tokens`` the call's token
+    count (rows of ``(..., H)``; the routing weights' rows for the MoE finalize). Attributes pass through,
+    so a shard takes it in place of the communicator."""
 
     def __init__(self, comm):
         self._comm, self._model, self.calls = comm, None, []
@@ -226,9 +227,10 @@ class CallLog:
             return attr
 
         def call(*args, **kwargs):
-            x = args[0]
-            tokens = args[1].shape[0] if name == "fused_moe_finalize_add_rmsnorm" else x.numel() // x.shape[-1]
-            self.calls.append((self._model, name, int(tokens)))
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim():  # a collective on tokens
+                x = args[0]
+                tokens = args[1].shape[0] if name == "fused_moe_finalize_add_rmsnorm" else x.numel() // x.shape[-1]
+                self.calls.append((self._model, name, int(tokens)))
             return attr(*args, **kwargs)
         return call
 

@@ -102,20 +102,36 @@ def sizes_line(runs: list, limit: int = 12) -> str:
     return " | ".join(parts) + (f" | ... ({len(runs) - limit} more)" if len(runs) > limit else "")
 
 
-def main(model: str, device: str, world_size: int, dtype: str | None, steps: int, heads: int | None,
-         kv_heads: int | None, k: int, loopback: bool) -> int:
-    """Run it and print the table; 0 when it passed, 1 on a mismatch, 2 when it cannot run here."""
+def main(model: str = "minimax_m2", device: str | None = None, world_size: int | None = None,
+         dtype: str | None = None, steps: int = 8, heads: int | None = None, kv_heads: int | None = None,
+         k: int = 3) -> int:
+    """Run it and print the table; 0 when it passed, 1 on a mismatch, 2 when it cannot run here.
+    Arguments as :func:`tpcomm.models.demo.main`'s; ``k``: the draft's proposals a step."""
     from tabulate import tabulate
 
-    from ..launch import RankFailure, launch
-    from .demo import ModelDemoConfig, sized
+    from ..launch import RankFailure, default_device, launch
+    from .demo import ModelDemoConfig, heads_problem, sized
 
     if model != "minimax_m2":
         print(f"tpcomm demo --speculative: the draft's target is MiniMax-M2 (--model minimax_m2), got {model}")
         return 2
-    if loopback:
-        print("tpcomm demo --speculative: needs a process per rank (CPU ranks, or one GPU each); on one GPU use "
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print('tpcomm demo --speculative: needs transformers (pip install -e ".[hf]")')
+        return 2
+    device = device or default_device()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < 2:
+        print("tpcomm demo --speculative: --device cuda needs a process per rank, one GPU each (this machine has "
+              f"{gpus}; each step reads the accepted count back to the host, which loopback ranks cannot); use "
               "--device cpu")
+        return 2
+    world_size = world_size or (gpus if device == "cuda" else 2)
+    problem = heads_problem(sized(ModelDemoConfig(model=model, device=device), world_size, heads, kv_heads),
+                            world_size)
+    if problem:
+        print(f"tpcomm demo --model {model}: {problem}")
         return 2
     results = []
     for dt in ((dtype,) if dtype else ("float32", "bfloat16")):
