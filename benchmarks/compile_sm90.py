@@ -162,17 +162,6 @@ def variants() -> list[tuple]:
                             dict(ce, VECTORS=vectors, REARM_IN_SPIN=vectors and block // 8 >= 32 * warps,
                                  PREFETCH=vectors, SPIN_PACK=2 if vectors and block // 8 >= 64 * warps else 1),
                             warps)))
-    # the full-width QK norm (kernels/qk_norm.py): MiniMax-M2's widths at 2 ranks, q of three tiles, float32 k weight
-    qk_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "wq_ptr": "*bf16", "wk_ptr": "*fp32", "qo_ptr": "*bf16",
-                "ko_ptr": "*bf16", "buf_table_ptr": "*i64", "state_ptr": "*i64", "err_ptr": "*i32", "eps": "fp32",
-                "timeout": "i64", **{n: "i32" for n in ("n_rows", "HQ", "HK", "q_stride", "k_stride", "qo_stride",
-                                                        "ko_stride", "slot_stride", "parity_stride", "rank",
-                                                        "signature", "tag_off", "max_programs", "abort_off",
-                                                        "kv_replicas")}}
-    results.append(("qk_norm", "bf16", 1024, 3, "-", True,  # no quant field: not an FP8 pair
-                    job(qk_norm._qk_norm_kernel, qk_types, {"WORLD": 2, "ROWS": 1, "BLOCK_Q": 1024, "TILES_Q": 3,
-                                                              "BLOCK_K": 512, "TILES_K": 1, "IN_PLACE": False,
-                                                              "PDL": True}, 8)))
     # without programmatic dependent launch (TPCOMM_PDL=0, GPUs before sm_90): the same kernels, PDL off
     results.append(("one_shot no PDL", "bf16", 1024, 1, 0, True,
                     job(one_shot._one_shot_kernel, epi_types("bf16"),
@@ -185,7 +174,8 @@ def variants() -> list[tuple]:
                 "ko_ptr": "*bf16", "buf_table_ptr": "*i64", "state_ptr": "*i64", "err_ptr": "*i32", "n_rows": "i32",
                 "HQ": "i32", "HK": "i32", "q_stride": "i32", "k_stride": "i32", "qo_stride": "i32",
                 "ko_stride": "i32", "slot_stride": "i32", "parity_stride": "i32", "eps": "fp32", "timeout": "i64",
-                "rank": "i32", "signature": "i32", "tag_off": "i32", "max_programs": "i32", "abort_off": "i32"}
+                "rank": "i32", "signature": "i32", "tag_off": "i32", "max_programs": "i32", "abort_off": "i32",
+                "kv_replicas": "i32"}
     for world, bq, tq, bk, warps in ((2, 4096, 1, 512, 8), (8, 256, 3, 64, 4)):
         results.append(("qk_norm", "bf16", bq, tq, "-", True,
                         job(qk_norm._qk_norm_kernel, qk_types,
