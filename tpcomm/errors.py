@@ -16,19 +16,24 @@ class SetupTimeoutError(TpcommError):
     (it waited for their next creation). No communicator exists on any rank and nothing was sent through
     the process group, which stays usable: create the communicators again, on every rank.
 
+    A rank that arrives after the rank holding the group's store (rank 0 of the default group) gave up and
+    ended raises it too, saying the store could not be reached (``missing`` is then empty).
+
     Attributes:
         rank: the rank that raised.
         missing: the group ranks that had not arrived when the first rank gave up.
         timeout_s: that rank's timeout.
     """
 
-    def __init__(self, rank: int, missing: list[int], timeout_s: float):
+    def __init__(self, rank: int, missing: list[int], timeout_s: float, store_lost: str | None = None):
         self.rank, self.missing, self.timeout_s = rank, list(missing), timeout_s
-        super().__init__(f"Communicator: rank {rank}: rank(s) {self.missing} did not create the communicator "
-                         f"within {timeout_s:g} s of their peers (creating it is collective: every rank of the "
+        what = (f"the group's store could not be reached ({store_lost}): the rank that holds it has ended, "
+                "most likely after its own timeout_s passed waiting for this rank" if store_lost else
+                f"rank(s) {self.missing} did not create the communicator within {timeout_s:g} s of their peers")
+        super().__init__(f"Communicator: rank {rank}: {what} (creating it is collective: every rank of the "
                          "group creates it at the same point of its program; for ranks whose start-up differs by "
                          "more than that, pass a longer timeout_s or synchronise them first). No rank has a "
-                         "communicator; the process group is still usable.")
+                         "communicator" + ("." if store_lost else "; the process group is still usable."))
 
     def __reduce__(self):
         return _rebuild, (type(self), self.args, self.__dict__)

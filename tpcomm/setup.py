@@ -63,6 +63,13 @@ class SetUp:
             errors: list = [None] * self.world_size
             dist.all_gather_object(errors, why, group=self.group)
             return errors
+        try:
+            return self._arrive_through(store, why, timeout_s)
+        except dist.DistNetworkError as e:  # the rank holding the store ended (after giving up on this one)
+            raise SetupTimeoutError(self.rank, [], timeout_s, store_lost=str(e).splitlines()[0]) from None
+
+    def _arrive_through(self, store, why: str | None, timeout_s: float) -> list:
+        """:meth:`_arrive` through the group's store ``store``."""
         gen = store.add(f"{_SETUP_KEY}/generation", 0)
         keys = [f"{_SETUP_KEY}/{gen}/rank{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], json.dumps(why))

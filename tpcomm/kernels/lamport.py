@@ -76,17 +76,16 @@ SENTINEL = tl.constexpr(-32768)
 def _poll_tile(recv_row_ptr, slot_stride, cols, mask, tag_ptr, rank, epoch, program, signature,
                timeout, err_ptr, state_ptr, table_ptr, abort_off, tell_idx, tell_to, WORLD: tl.constexpr):
     """The block-wide wait (rows of several tiles, or not in whole 16-byte vectors): ``spin.wait_peer`` on
-    every peer ``q`` in turn (its tag at ``tag_ptr + q``, this tile in its slot), bounded by the limit of the
-    timeout this wait starts with. Returns the timeout left for later waits: ``timeout``, or 0 once a wait
+    every peer ``q`` in turn (its tag at ``tag_ptr + q``, this tile in its slot), each bounded by the
+    timeout it starts with and its grace. Returns the timeout left for later waits: ``timeout``, or 0 once a wait
     failed (a timeout of 0 then leaves at once, and the call counts as failed whatever arrived).
     ``tell_idx``, ``tell_to``: ``spin.wait_peer``'s (the peers' tags of this rank's programs). The
     epilogue then reads the tiles again."""
-    limit = timeout + grace_ns(timeout)
     for q in tl.static_range(WORLD):
-        if q != rank:
+        if q != rank:  # each wait bounded by the timeout it starts with: 0 (and no grace) after a failure
             timeout, tile = wait_peer(recv_row_ptr + q * slot_stride + cols, mask, tag_ptr + q, q, rank, epoch,
-                                      program, signature, timeout, limit, err_ptr, state_ptr, table_ptr, abort_off,
-                                      tell_idx, tell_to, SENTINEL, WORLD)
+                                      program, signature, timeout, timeout + grace_ns(timeout), err_ptr, state_ptr,
+                                      table_ptr, abort_off, tell_idx, tell_to, SENTINEL, WORLD)
     return timeout
 
 
