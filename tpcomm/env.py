@@ -90,7 +90,7 @@ def read_env() -> EnvConfig:
     try:
         max_programs = int(mp) if mp else None
     except ValueError:
-        raise ValueError(f"TPCOMM_MAX_PROGRAMS={mp!r}: expected an integer >= 1") from None
+        raise ValueError(f"TPCOMM_MAX_PROGRAMS={mp!r}: expected an integer in [1, {MAX_PROGRAMS_LIMIT}]") from None
     if max_programs is not None and not 1 <= max_programs <= MAX_PROGRAMS_LIMIT:
         raise ValueError(f"TPCOMM_MAX_PROGRAMS={max_programs}: expected an integer in [1, {MAX_PROGRAMS_LIMIT}]")
     table = os.environ.get("TPCOMM_DISPATCH_TABLE") or None

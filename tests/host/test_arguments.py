@@ -165,7 +165,8 @@ def test_demo_model_options_need_their_model(argv, words, capsys):
 @pytest.mark.parametrize("model,options,words", [
     ("minimax_m2", ["--heads", "6", "--kv-heads", "3"], "--kv-heads 3 is not divisible by the world size 2 nor"),
     ("llama", ["--kv-heads", "1"], "--kv-heads 1 is not divisible by the world size 2"),
-    ("minimax_m2", ["--heads", "6", "--kv-heads", "4"], "--heads 6 is not divisible by --kv-heads 4"),
+    ("minimax_m2", ["--heads", "6", "--kv-heads", "4"],
+     "--heads 6 (given, or the default for 2 ranks) is not divisible by --kv-heads 4"),
 ])
 def test_demo_refuses_heads_it_cannot_shard(model, options, words, capsys):
     """Heads the sharding cannot split are refused before any rank starts (exit 2, naming the option);

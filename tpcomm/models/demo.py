@@ -74,10 +74,11 @@ def heads_problem(cfg: ModelDemoConfig, world_size: int) -> str | None:
     """Why ``cfg``'s heads cannot be sharded over ``world_size`` ranks, or None: the query heads must
     divide by the world size and by the key-value heads; the key-value heads must divide by the world
     size, or (MiniMax-M2, whose key-value heads are then replicated) divide it."""
+    heads = f"--heads {cfg.heads} (given, or the default for {world_size} ranks)"
     if cfg.heads % world_size:
-        return f"--heads {cfg.heads} is not divisible by the world size {world_size}"
+        return f"{heads} is not divisible by the world size {world_size}"
     if cfg.heads % cfg.kv_heads:
-        return f"--heads {cfg.heads} is not divisible by --kv-heads {cfg.kv_heads}"
+        return f"{heads} is not divisible by --kv-heads {cfg.kv_heads}"
     if cfg.kv_heads % world_size and (cfg.model != "minimax_m2" or world_size % cfg.kv_heads):
         also = " nor a divisor of it (MiniMax-M2 replicates key-value heads)" if cfg.model == "minimax_m2" else ""
         return f"--kv-heads {cfg.kv_heads} is not divisible by the world size {world_size}{also}"
