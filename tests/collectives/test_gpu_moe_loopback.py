@@ -210,10 +210,21 @@ def test_another_k_is_a_mismatch():
         a2, res, nw = _inputs(2, 2, 2, 3072, False, False, 3)
         a4, _, _ = _inputs(2, 2, 4, 3072, False, False, 3)
         args = [a2[0], a4[1]]
-        run_ranks(ranks, lambda rank: rank.fused_moe_finalize_add_rmsnorm(residual=res, weight=nw, **args[rank.rank]))
+        seen = set()  # the ranks that raised PeerMismatchError: from the call itself, or when checked after it
+
+        def call(rank):
+            try:
+                rank.fused_moe_finalize_add_rmsnorm(residual=res, weight=nw, **args[rank.rank])
+            except PeerMismatchError:
+                seen.add(rank.rank)
+
+        run_ranks(ranks, call)
         torch.cuda.synchronize()
-        with pytest.raises(PeerMismatchError):
-            for rank in ranks:
+        for rank in ranks:
+            try:
                 rank.check()
+            except PeerMismatchError:
+                seen.add(rank.rank)
+        assert seen == {0, 1}, f"ranks that raised PeerMismatchError: {sorted(seen)}"
     finally:
         close_group(ranks)
