@@ -11,11 +11,14 @@ loop that holds either must exit on a value that came through shared memory (a b
 the same in every thread.
 
 Mechanism: a divergence analysis of the PTX of one ``.entry``. A register is *varying* (it may differ
-between threads of one program) when it comes from a per-thread source (``%tid``, ``%laneid``,
-``%globaltimer``, ``%clock``, a load from global or generic memory, an atomic) or from a varying operand,
-or when it is written in a block that a varying branch controls (a thread that skipped the block keeps the
-old value). A load from shared memory is taken as uniform: Triton's block-wide reductions and broadcasts
-end in one (every warp reads what every warp stored, after a barrier). The blocks a conditional branch
+between threads of one program by timing) when it comes from a poll (a volatile or memory-ordered load),
+an atomic or a clock read (``%globaltimer``, ``%clock``), or from a varying operand, or when it is written
+in a block that a varying branch controls (a thread that skipped the block keeps the old value). A value
+computed from a thread's position (``%tid``) and data every thread sees alike is not varying: Triton's
+reductions and layout conversions shuffle such values and end with the same result in every thread; the
+position only picks the elected thread (``setp.eq`` of a ``%tid``-derived value with 0). A load from
+shared memory is taken as uniform: Triton's block-wide reductions and broadcasts end in one (every warp
+reads what every warp stored, after a barrier). The blocks a conditional branch
 controls are those reachable from its successors before its immediate post-dominator. Inline asm is
 analysed as the PTX it is (its scoped labels and registers resolved per ``{ }`` block).
 
@@ -29,8 +32,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-#: Special registers whose value differs between the threads of a program.
-VARYING_SPECIALS = ("%tid", "%laneid", "%warpid", "%clock", "%clock64", "%globaltimer", "%lanemask", "%smid", "%pm")
 #: Special registers that hold a thread's position (an elected thread is picked by comparing them).
 POSITION_SPECIALS = ("%tid", "%laneid", "%warpid")
 #: Opcodes (first dotted word) that write no register.
